@@ -1,0 +1,86 @@
+"""One exception hierarchy for dstest.
+
+User-facing errors also subclass the builtin that fits, so ``except ValueError`` keeps working.
+Internal control flow (unwinding a rank whose world was aborted) uses a ``BaseException`` subclass so
+that user code with a broad ``except Exception`` cannot swallow it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DstestError",
+    "InvalidArgument",
+    "InvalidWorldSize",
+    "CollectiveMismatch",
+    "RankFailure",
+    "WorldTimeout",
+    "WorldAborted",
+    "WorkerDied",
+    "Deviation",
+]
+
+
+class DstestError(Exception):
+    """Root of every error dstest raises on purpose."""
+
+
+class InvalidArgument(DstestError, ValueError):
+    """An argument has a value dstest does not accept; the message names it and what is allowed."""
+
+
+class InvalidWorldSize(InvalidArgument):
+    """A world size that a world cannot run (``world_size=0``, more ranks than GPUs, ...)."""
+
+
+class CollectiveMismatch(DstestError, RuntimeError):
+    """Ranks issued collectives that cannot match (op, shape, dtype, group, root or count).
+
+    Raised on every rank involved; the message names both ranks and both calls.
+    """
+
+
+class RankFailure(DstestError, AssertionError):
+    """One or more ranks of a world raised; carries every failing rank's traceback.
+
+    Subclasses AssertionError so that pytest reports a failed spec as a failure, not an error.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
+class WorldTimeout(DstestError, TimeoutError):
+    """A world ran past its timeout; the message holds the stack of every rank."""
+
+    def __init__(self, message: str, stacks: dict[int, str]) -> None:
+        super().__init__(message)
+        self.stacks = stacks
+
+
+class WorkerDied(DstestError, RuntimeError):
+    """A worker process of the process world died or stopped answering."""
+
+
+class Deviation(DstestError, AssertionError):
+    """A third-party target behaves differently from a contract of SPEC.md (a finding, not a bug of dstest).
+
+    ``contract`` is the SPEC number, ``expected`` and ``got`` the evidence.
+    """
+
+    def __init__(self, contract: str, expected: object, got: object, explanation: str = "") -> None:
+        self.contract = contract
+        self.expected = expected
+        self.got = got
+        self.explanation = explanation
+        msg = f"[{contract}] deviation: expected {expected!r}, got {got!r}"
+        if explanation:
+            msg += f" ({explanation})"
+        super().__init__(msg)
+
+
+class WorldAborted(BaseException):
+    """Unwinds a rank whose world is shutting down because another rank failed or the world timed out.
+
+    A BaseException on purpose: a spec's ``except Exception`` must not keep a dead world alive.
+    """
