@@ -1,0 +1,70 @@
+"""dstest: test distributed-training code on simulated process groups, rerun the same specs on NCCL.
+
+The public names below load on first use (PEP 562), so that ``import dstest.plugin``, which pytest does
+in every project where dstest is installed, imports neither torch nor hypothesis.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "DEFAULT_WORLDS": "dstest.worlds",
+    "WORLD_NAMES": "dstest.worlds",
+    "World": "dstest.worlds",
+    "get_world": "dstest.worlds",
+    "TOPOLOGIES": "dstest.groups",
+    "GroupBuilder": "dstest.groups",
+    "ShardLayout": "dstest.shards",
+    "padded": "dstest.shards",
+    "uneven": "dstest.shards",
+    "Case": "dstest.specification",
+    "Settings": "dstest.specification",
+    "run": "dstest.specification",
+    "spec": "dstest.specification",
+    "RankContext": "dstest.context",
+    "CollectiveMismatch": "dstest.errors",
+    "Deviation": "dstest.errors",
+    "DstestError": "dstest.errors",
+    "InvalidArgument": "dstest.errors",
+    "InvalidWorldSize": "dstest.errors",
+    "RankFailure": "dstest.errors",
+    "WorkerDied": "dstest.errors",
+    "WorldTimeout": "dstest.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dstest' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, "__version__"])
+
+
+if TYPE_CHECKING:
+    from dstest.context import RankContext
+    from dstest.errors import (
+        CollectiveMismatch,
+        Deviation,
+        DstestError,
+        InvalidArgument,
+        InvalidWorldSize,
+        RankFailure,
+        WorkerDied,
+        WorldTimeout,
+    )
+    from dstest.groups import TOPOLOGIES, GroupBuilder
+    from dstest.shards import ShardLayout, padded, uneven
+    from dstest.specification import Case, Settings, run, spec
+    from dstest.worlds import DEFAULT_WORLDS, WORLD_NAMES, World, get_world

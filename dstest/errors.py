@@ -45,9 +45,12 @@ class RankFailure(DstestError, AssertionError):
     Subclasses AssertionError so that pytest reports a failed spec as a failure, not an error.
     """
 
-    def __init__(self, message: str, failures: dict[int, str]) -> None:
+    def __init__(
+        self, message: str, failures: dict[int, str], exceptions: dict[int, BaseException] | None = None
+    ) -> None:
         super().__init__(message)
         self.failures = failures
+        self.exceptions = exceptions or {}
 
 
 class WorldTimeout(DstestError, TimeoutError):

@@ -654,6 +654,7 @@ class ThreadedWorld:
             raise RankFailure(
                 f"{len(shown)} of {world_size} ranks failed: {head}\n{body}{tail}",
                 {r: tracebacks[r] for r in sorted(failures)},
+                {r: failures[r] for r in sorted(failures)},
             )
         return results
 

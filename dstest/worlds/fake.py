@@ -1,0 +1,131 @@
+"""The fake world: this process plays rank r of N, collectives check shapes and move no data.
+
+For partition and shape logic at sizes no machine could host (N in the tens of thousands). Each simulated
+rank runs on its own thread with its own c10d state, so the caller's ``torch.distributed`` is untouched.
+Outputs of collectives are left as they were: values are meaningless here, shapes and sizes are checked
+exactly as in the threaded world.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dstest.context import RankContext
+from dstest.errors import InvalidArgument, InvalidWorldSize, RankFailure, WorldTimeout
+from dstest.worlds import _collectives as C
+from dstest.worlds import _compat
+from dstest.worlds.threaded import BACKEND_NAME, _binding, _Done, _register_backend
+
+__all__ = ["FakeWorld"]
+
+
+class _FakeSession:
+    """Stands in for the threaded world's session: every call completes at once, after local checks."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.lock = threading.Lock()
+        self.store = dist.HashStore()
+        self.open_groups = 0
+        self.calls: dict[str, int] = {}
+
+    def arrive(self, group: Any, call: C.Call) -> _Done:
+        call.check_local()
+        group.next_seq()
+        self.calls[call.op] = self.calls.get(call.op, 0) + 1
+        return _Done(self, group.global_ranks[group.rank_], call.outputs())  # type: ignore[arg-type]
+
+    def post_p2p(self, group: Any, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> _Done:
+        if not 0 <= peer < group.size_:
+            raise InvalidArgument(f"{kind}: peer rank {peer} is not in the group (size {group.size_})")
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        return _Done(self, group.global_ranks[group.rank_], [tensor])  # type: ignore[arg-type]
+
+    def wait(self, waitable: Any) -> None:
+        if waitable.error is not None:
+            raise waitable.error
+
+
+class FakeWorld:
+    """Runs ``fn(ctx)`` as rank r of a world of N for each r in ``ranks`` (default: first and last rank).
+
+    ``run`` returns the simulated ranks' results, in the order of ``ranks``.
+    """
+
+    name = "fake"
+    marker = "cpu"
+
+    def __init__(self, ranks: Sequence[int] | None = None) -> None:
+        self.ranks = tuple(ranks) if ranks is not None else None
+
+    def unavailable_reason(self, world_size: int) -> str | None:
+        return None
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        world_size: int,
+        *,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float = 60.0,
+        seed: int = 0,
+        target: str = "impl",
+    ) -> list[Any]:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise InvalidWorldSize(f"world_size={world_size!r} must be an int >= 1")
+        ranks = self.ranks if self.ranks is not None else tuple(sorted({0, world_size - 1}))
+        bad = [r for r in ranks if not 0 <= r < world_size]
+        if bad:
+            raise InvalidArgument(f"ranks={list(ranks)}: {bad} not in 0..{world_size - 1}")
+        _register_backend()
+        results: list[Any] = []
+        with _compat.thread_local_c10d_world() as c10d_world:
+            for rank in ranks:
+                box: dict[str, Any] = {}
+
+                def rank_main(rank: int = rank, box: dict[str, Any] = box) -> None:
+                    c10d_world.bind()
+                    session = _FakeSession(world_size)
+                    _binding.session, _binding.rank = session, rank
+                    ctx = RankContext(
+                        rank=rank, world_size=world_size, world=self.name, device=torch.device("cpu"),
+                        seed=seed, target_name=target,
+                    )
+                    token = ctx.bind()
+                    try:
+                        dist.init_process_group(
+                            BACKEND_NAME, rank=rank, world_size=world_size, store=session.store,
+                            timeout=timedelta(seconds=timeout),
+                        )
+                        box["result"] = fn(ctx, *args, **(kwargs or {}))
+                    except BaseException as exc:
+                        box["error"] = exc
+                        box["traceback"] = "".join(traceback.format_exception(exc))
+                    finally:
+                        if dist.is_initialized():
+                            dist.destroy_process_group()
+                        RankContext.unbind(token)
+                        _binding.__dict__.clear()
+                        c10d_world.unbind()
+
+                thread = threading.Thread(target=rank_main, name=f"dstest-fake-rank{rank}", daemon=True)
+                thread.start()
+                thread.join(timeout)
+                if thread.is_alive():
+                    raise WorldTimeout(f"fake rank {rank} of {world_size} ran past its timeout of {timeout:g} s", {})
+                if "error" in box:
+                    raise RankFailure(
+                        f"fake rank {rank} of {world_size} failed: {box['error']!r}\n{box['traceback']}",
+                        {rank: box["traceback"]},
+                        {rank: box["error"]},
+                    )
+                results.append(box.get("result"))
+        return results
