@@ -6,6 +6,7 @@ Each function names the torch behaviour it papers over. Nothing here runs at imp
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -111,6 +112,9 @@ def thread_local_c10d_world() -> Iterator[_ThreadLocalWorld]:
     with _INSTALL.lock:
         if _INSTALL.users == 0:
             _INSTALL.saved["world"] = c10d._world
+            # init_process_group wraps sys.excepthook to prefix "[rankN]" (torch 2.13), once per call and
+            # process-wide: N rank threads would stack N prefixes, run after run.
+            _INSTALL.saved["excepthook"] = sys.excepthook
             _INSTALL.world = _ThreadLocalWorld(c10d._world)
             c10d._world = _INSTALL.world  # type: ignore[assignment]
             isolation = getattr(torch._C._distributed_c10d, "_set_thread_isolation_mode", None)
@@ -133,6 +137,7 @@ def thread_local_c10d_world() -> Iterator[_ThreadLocalWorld]:
                 if isolation is not None:
                     isolation(False)
                 c10d._world = _INSTALL.saved["world"]
+                sys.excepthook = _INSTALL.saved["excepthook"]
                 _INSTALL.world = None
                 _INSTALL.saved.clear()
 
