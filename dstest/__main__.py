@@ -1,0 +1,5 @@
+import sys
+
+from dstest.cli import main
+
+sys.exit(main())

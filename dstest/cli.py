@@ -1,0 +1,280 @@
+"""``dstest`` / ``python -m dstest``: the conformance run.
+
+Runs the bundled specs (``dstest.specs``, the contracts of SPEC.md) against one or more targets, worlds and
+world sizes, prints a table (spec x world size: pass / FAIL / DEV / skip, with times) and writes JSON and
+JUnit XML for CI systems. Exit code 1 when a spec fails on a target; deviations of a third-party target
+(DeepSpeed) are findings, reported but not failing unless ``--fail-on-deviation``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import importlib
+import itertools
+import json
+import pkgutil
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["main", "discover", "Result"]
+
+
+@dataclass
+class Result:
+    spec: str
+    contract: str | None
+    params: str
+    target: str
+    world: str
+    world_size: int
+    status: str  # pass | fail | deviation | skip
+    seconds: float
+    detail: str = ""
+    ranks: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Item:
+    module: str
+    name: str
+    info: Any
+    params: dict[str, Any]
+    param_id: str
+    skip: str | None = None
+
+
+def _expand_parametrize(fn: Any) -> tuple[list[tuple[str, dict[str, Any]]], str | None]:
+    """The (id, kwargs) combinations of a function's ``pytest.mark.parametrize`` marks."""
+    axes: list[list[tuple[str, dict[str, Any]]]] = []
+    for mark in getattr(fn, "pytestmark", []):
+        if mark.name != "parametrize":
+            continue
+        names, values = mark.args[0], mark.args[1]
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        ids = mark.kwargs.get("ids")
+        axis = []
+        for i, value in enumerate(values):
+            vals = value.values if hasattr(value, "values") and hasattr(value, "marks") else value
+            if len(names) == 1 and not (hasattr(value, "values") and hasattr(value, "marks")):
+                vals = (value,)
+            pid = getattr(value, "id", None) or (ids[i] if isinstance(ids, list | tuple) else None)
+            pid = pid or "-".join(str(v) for v in vals)
+            axis.append((str(pid), dict(zip(names, vals))))
+        axes.append(axis)
+    combos = []
+    for combo in itertools.product(*axes):
+        ident = "-".join(c[0] for c in combo)
+        merged: dict[str, Any] = {}
+        for _, kw in combo:
+            merged.update(kw)
+        combos.append((ident, merged))
+    return combos or [("", {})], None
+
+
+def discover(pattern: str = "*") -> list[_Item]:
+    """Every bundled spec (module ``dstest.specs.*``) whose name or contract matches ``pattern``."""
+    import inspect
+
+    import dstest.specs as pkg
+    from dstest.specification import CASE_ARG, SETTINGS_ARG, spec_info
+
+    items = []
+    for mod in sorted(m.name for m in pkgutil.iter_modules(pkg.__path__)):
+        module = importlib.import_module(f"dstest.specs.{mod}")
+        for name, obj in sorted(vars(module).items()):
+            info = spec_info(obj)
+            if info is None or getattr(obj, "__module__", None) != module.__name__:
+                continue
+            if not (fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(info.contract or "", pattern)):
+                continue
+            combos, _ = _expand_parametrize(obj)
+            wanted = [p for p in inspect.signature(obj).parameters if p not in (CASE_ARG, SETTINGS_ARG)]
+            for pid, kwargs in combos:
+                missing = [p for p in wanted if p not in kwargs]
+                skip = f"needs pytest fixtures {missing}; run it under pytest" if missing else None
+                items.append(_Item(module.__name__, name, info, kwargs, pid, skip))
+    return items
+
+
+def _classify(exc: BaseException, third_party: bool) -> tuple[str, str, dict[str, str]]:
+    from dstest.errors import RankFailure, WorldAborted
+
+    ranks: dict[str, str] = {}
+    if isinstance(exc, RankFailure):
+        primary = {r: e for r, e in exc.exceptions.items() if not isinstance(e, WorldAborted)}
+        ranks = {str(r): exc.failures[r] for r in sorted(exc.failures)}
+        first = next(iter(primary.values()), None) or exc
+        detail = f"{type(first).__name__}: {first}".splitlines()[0]
+        contract_failure = all(isinstance(e, AssertionError | ValueError | TypeError | NotImplementedError) for e in primary.values())
+    else:
+        detail = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        contract_failure = isinstance(exc, AssertionError)
+    if third_party and contract_failure:
+        return "deviation", detail, ranks
+    return "fail", detail, ranks
+
+
+def _run_all(
+    items: Sequence[_Item], targets: Sequence[str], worlds: Sequence[str], sizes: Sequence[int] | None, timeout: float
+) -> Iterator[Result]:
+    import pytest
+
+    from dstest.targets import get_target
+    from dstest.worlds import get_world
+
+    for target in targets:
+        third_party = bool(getattr(get_target(target), "third_party", False))
+        for item in items:
+            for world_name in worlds:
+                world = get_world(world_name)
+                for ws in sizes or item.info.world_sizes:
+                    base = dict(
+                        spec=item.name, contract=item.info.contract, params=item.param_id, target=target,
+                        world=world_name, world_size=ws,
+                    )
+                    reason = item.skip or world.unavailable_reason(ws)
+                    if reason:
+                        yield Result(**base, status="skip", seconds=0.0, detail=reason)
+                        continue
+                    start = time.perf_counter()
+                    try:
+                        world.run(item.info.fn, ws, kwargs=item.params, timeout=item.info.timeout or timeout, target=target)
+                        status, detail, ranks = "pass", "", {}
+                    except BaseException as exc:  # classify everything a spec can end with
+                        if isinstance(exc, KeyboardInterrupt):
+                            raise
+                        skipped = _skip_reason(exc, pytest)
+                        if skipped is not None:
+                            status, detail, ranks = "skip", skipped, {}
+                        else:
+                            status, detail, ranks = _classify(exc, third_party)
+                    yield Result(**base, status=status, seconds=time.perf_counter() - start, detail=detail, ranks=ranks)
+
+
+def _skip_reason(exc: BaseException, pytest: Any) -> str | None:
+    from dstest.errors import RankFailure, WorldAborted
+
+    if isinstance(exc, pytest.skip.Exception):
+        return str(exc)
+    if isinstance(exc, RankFailure):
+        primary = [e for e in exc.exceptions.values() if not isinstance(e, WorldAborted)]
+        if primary and all(isinstance(e, pytest.skip.Exception) for e in primary):
+            return str(primary[0])
+    return None
+
+
+_SYMBOL = {"pass": "pass", "fail": "FAIL", "deviation": "DEV", "skip": "skip"}
+
+
+def _table(results: Sequence[Result]) -> str:
+    sizes = sorted({r.world_size for r in results})
+    rows: dict[tuple[str, str, str, str], dict[int, Result]] = {}
+    for r in results:
+        label = r.spec + (f"[{r.params}]" if r.params else "")
+        rows.setdefault((r.target, r.world, label, r.contract or ""), {})[r.world_size] = r
+    width = max([len(k[2]) for k in rows] + [4])
+    head = f"{'target':<10} {'world':<9} {'contract':<8} {'spec':<{width}} " + " ".join(f"{'ws' + str(s):>12}" for s in sizes)
+    lines = [head, "-" * len(head)]
+    for (target, world, label, contract), cells in rows.items():
+        shown = []
+        for s in sizes:
+            r = cells.get(s)
+            shown.append(f"{'':>12}" if r is None else f"{_SYMBOL[r.status] + f' {r.seconds * 1000:.0f}ms':>12}")
+        lines.append(f"{target:<10} {world:<9} {contract:<8} {label:<{width}} " + " ".join(shown))
+    return "\n".join(lines)
+
+
+def _junit(results: Sequence[Result], path: str) -> None:
+    suite = ET.Element(
+        "testsuite",
+        name="dstest-conformance",
+        tests=str(len(results)),
+        failures=str(sum(r.status in ("fail", "deviation") for r in results)),
+        skipped=str(sum(r.status == "skip" for r in results)),
+    )
+    for r in results:
+        case = ET.SubElement(
+            suite,
+            "testcase",
+            classname=f"{r.target}.{r.contract or 'spec'}",
+            name=f"{r.spec}[{'-'.join(p for p in (r.params, r.world, 'ws' + str(r.world_size)) if p)}]",
+            time=f"{r.seconds:.4f}",
+        )
+        if r.status == "skip":
+            ET.SubElement(case, "skipped", message=r.detail)
+        elif r.status in ("fail", "deviation"):
+            node = ET.SubElement(case, "failure", message=r.detail, type=r.status)
+            node.text = "\n".join(r.ranks.values())
+    ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"--world-sizes={text!r}: give comma-separated ints >= 1, e.g. 1,2,3")
+    return sizes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from dstest.worlds import WORLD_NAMES
+
+    parser = argparse.ArgumentParser(prog="dstest", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--target", action="append", choices=["impl", "deepspeed"], help="system under test (repeatable; default impl)")
+    parser.add_argument("--world", action="append", choices=list(WORLD_NAMES), help="world to run in (repeatable; default threaded)")
+    parser.add_argument("--world-sizes", type=_sizes, default=None, help="override every spec's world sizes, e.g. 1,2,3")
+    parser.add_argument("-k", "--spec", default="*", help="glob over spec names or contracts, e.g. 'B*' or '*sum*'")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per world run (default 120)")
+    parser.add_argument("--json", metavar="PATH", help="write every result as JSON")
+    parser.add_argument("--junit", metavar="PATH", help="write JUnit XML")
+    parser.add_argument("--fail-on-deviation", action="store_true", help="exit 1 when a third-party target deviates")
+    parser.add_argument("--list", action="store_true", help="list the specs and exit")
+    args = parser.parse_args(argv)
+    if args.timeout <= 0:
+        parser.error(f"--timeout={args.timeout!r} must be > 0 seconds")
+
+    items = discover(args.spec)
+    if args.list:
+        for it in items:
+            print(f"{it.info.contract or '-':<6} {it.name}{'[' + it.param_id + ']' if it.param_id else ''}  ws={list(it.info.world_sizes)}")
+        return 0
+    if not items:
+        print(f"dstest: no bundled spec matches {args.spec!r}", file=sys.stderr)
+        return 2
+    targets = args.target or ["impl"]
+    worlds = args.world or ["threaded"]
+    total = sum(len(args.world_sizes or it.info.world_sizes) for it in items) * len(targets) * len(worlds)
+    results: list[Result] = []
+    start = time.perf_counter()
+    for n, result in enumerate(_run_all(items, targets, worlds, args.world_sizes, args.timeout), 1):
+        results.append(result)
+        bar = "#" * (30 * n // total)
+        print(f"\r[{bar:<30}] {n}/{total} {result.spec[:50]:<50}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    print(_table(results))
+    counts = {s: sum(r.status == s for r in results) for s in _SYMBOL}
+    print(
+        f"\n{counts['pass']} passed, {counts['fail']} failed, {counts['deviation']} deviations, "
+        f"{counts['skip']} skipped in {time.perf_counter() - start:.1f}s"
+    )
+    for r in results:
+        if r.status in ("fail", "deviation"):
+            print(f"  {_SYMBOL[r.status]:<4} {r.target} {r.contract or ''} {r.spec}[{r.params}] ws{r.world_size}: {r.detail}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump([asdict(r) for r in results], fh, indent=1)
+    if args.junit:
+        _junit(results, args.junit)
+    failed = counts["fail"] or (args.fail_on_deviation and counts["deviation"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
