@@ -113,6 +113,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "soak" not in (config.getoption("markexpr", "") or ""):
+        soak = [item for item in items if item.get_closest_marker("soak") is not None]
+        if soak:
+            config.hook.pytest_deselected(items=soak)
+            items[:] = [item for item in items if item.get_closest_marker("soak") is None]
     mark = config.getoption(OPT_MARK_UNMARKED)
     if mark is None:
         return

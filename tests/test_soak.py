@@ -1,0 +1,31 @@
+"""Long hardening runs, selected with ``pytest -m soak`` only (the plugin keeps them out of other runs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dstest import strategies as dst
+from dstest.programs import execute
+from dstest.worlds.threaded import ThreadedWorld
+
+WORLD = ThreadedWorld()
+
+
+@pytest.mark.soak
+@settings(max_examples=2000, deadline=None)
+@given(data=st.data(), world_size=st.integers(1, 8))
+def test_soak_random_programs(data, world_size):
+    """A longer run of random programs (``pytest -m soak``)."""
+    from dstest.programs import reference
+
+    program = data.draw(dst.programs(world_size, max_ops=12))
+    got = WORLD.run(execute, world_size, args=(program,), timeout=30)
+    want = reference(program)
+    for g_rank, w_rank in zip(got, want):
+        for g, w in zip(g_rank, w_rank):
+            assert (g is None) == (w is None)
+            if w is not None:
+                assert all(torch.equal(a, b) for a, b in zip(g, w))
