@@ -138,6 +138,9 @@ def _worker_main(cfg: _WorkerConfig, conn: Connection) -> None:
             stream.flush()
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
+    for stream in (sys.stdout, sys.stderr):  # a hung rank's last prints must reach the file
+        with contextlib.suppress(Exception):
+            stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     read_fd = os.open(cfg.log_path, os.O_RDONLY)
 
     import faulthandler
@@ -431,6 +434,17 @@ class _Worker:
             return f"was killed by signal {-code}"
         return f"exited with code {code}"
 
+    def output_since(self, offset: int, limit: int = 8000) -> str:
+        """What this worker printed from ``offset`` of its log on (the last ``limit`` bytes of it)."""
+        try:
+            with open(self.cfg.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(offset, size - limit))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
     def log_tail(self, limit: int = 4000) -> str:
         try:
             with open(self.cfg.log_path, "rb") as f:
@@ -593,6 +607,7 @@ class _Pool:
         replies: dict[int, _Reply] = {}
         dead: list[_Worker] = []
         first_failure: float | None = None
+        log_starts = {w.rank: _file_size(w.cfg.log_path) for w in self.workers}
         for w in self.workers:
             try:
                 w.conn.send_bytes(blob)
@@ -627,20 +642,24 @@ class _Pool:
 
         label = self._label()
         if dead:
-            w = dead[0]
-            w.process.join(1.0)
+            for d in dead:
+                d.process.join(1.0)
             others = self._collect_quietly(replies)
-            self.kill()
             names = ", ".join(f"rank {d.rank} (pid {d.pid}) {d.describe_exit()}" for d in dead)
-            failed = {r: rep.traceback for r, rep in others.items() if not rep.ok}
-            detail = "".join(f"\n---- rank {r} ----\n{tb}" for r, tb in sorted(failed.items()))
-            raise WorkerDied(
-                f"{label}: {names} while running {ref.qualname}; the pool was replaced\n"
-                f"---- output of rank {w.rank} (last lines) ----\n{w.log_tail()}{detail}"
+            outputs = "".join(
+                f"---- output of rank {d.rank} during the run ----\n{d.output_since(log_starts[d.rank])}\n" for d in dead
             )
+            failed = {r: rep.traceback for r, rep in others.items() if not rep.ok}
+            detail = "".join(f"---- rank {r} ----\n{tb}" for r, tb in sorted(failed.items()))
+            self.kill()
+            raise WorkerDied(f"{label}: {names} while running {ref.qualname}; the pool was replaced\n{outputs}{detail}")
         missing = [w for w in self.workers if w.rank not in replies]
         if missing:
             stacks = self._stacks(missing)
+            for w in missing:
+                out = w.output_since(log_starts[w.rank])
+                if out:
+                    stacks[w.rank] = stacks.get(w.rank, "(no stack)\n") + f"-- output during the run --\n{out}"
             self.kill()
             if first_failure is None:
                 raise WorldTimeout(
@@ -709,7 +728,7 @@ class _Pool:
                 if size > sizes[w.rank] and last.get(w.rank) == size:  # grew, then stayed put: dump done
                     with open(w.cfg.stack_path, "rb") as f:
                         f.seek(sizes[w.rank])
-                        stacks[w.rank] = f.read().decode(errors="replace")
+                        stacks[w.rank] = _without_watcher(f.read().decode(errors="replace"))
                 last[w.rank] = size
         return stacks
 
@@ -762,6 +781,12 @@ def _forward_output(rank: int, text: str) -> None:
         return
     lines = text.splitlines()
     sys.stdout.write("".join(f"[rank {rank}] {line}\n" for line in lines))
+
+
+def _without_watcher(dump: str) -> str:
+    """A faulthandler dump without the worker's own parent-watch thread (noise in a report)."""
+    blocks = dump.split("\n\n")
+    return "\n\n".join(b for b in blocks if "in _watch_parent" not in b).strip() + "\n"
 
 
 def _format_stacks(stacks: dict[int, str]) -> str:

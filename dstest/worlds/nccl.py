@@ -1,0 +1,69 @@
+"""The NCCL world: one process per GPU, NCCL backend; the process world's pools with another backend.
+
+``world_size`` ranks need ``world_size`` CUDA devices. With fewer (but at least one), the ranks run as
+threads of this process with CUDA tensors (:class:`dstest.worlds.threaded.ThreadedWorld` on ``cuda``),
+the documented stand-in on a single-GPU machine: the spec's data lives on the GPU and the collectives
+are dstest's own, checked for mismatches, instead of NCCL's. ``ctx.world`` tells which ran
+(``"nccl"`` or ``"threaded"``). With no CUDA device, :meth:`NcclWorld.unavailable_reason` gives the skip
+reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dstest.worlds.process import ProcessWorld
+
+__all__ = ["NcclWorld"]
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+class NcclWorld:
+    """Runs a function on every rank over NCCL, rank r on ``cuda:r`` (same contract as ProcessWorld)."""
+
+    name = "nccl"
+
+    def __init__(self) -> None:
+        self._processes = ProcessWorld(backend="nccl", device="cuda", name=self.name)
+
+    @property
+    def marker(self) -> str:
+        return "gpu"
+
+    def unavailable_reason(self, world_size: int) -> str | None:
+        found = _cuda_devices()
+        if found == 0:
+            return f"needs {world_size} CUDA devices, found 0"
+        if found >= world_size:
+            return self._processes.unavailable_reason(world_size)
+        return None  # the threaded stand-in runs it
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        world_size: int,
+        *,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float = 60.0,
+        seed: int = 0,
+        target: str = "impl",
+    ) -> list[Any]:
+        found = _cuda_devices()
+        if found == 0:
+            from dstest.errors import InvalidWorldSize
+
+            raise InvalidWorldSize(f"world_size={world_size!r}: the nccl world needs {world_size} CUDA devices, found 0")
+        if found < world_size:
+            from dstest.worlds.threaded import ThreadedWorld
+
+            return ThreadedWorld(device="cuda").run(
+                fn, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed, target=target
+            )
+        return self._processes.run(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed, target=target)
