@@ -1,0 +1,112 @@
+"""Build and load the native ops in ``csrc/`` on first use (SPEC D5).
+
+The sources are compiled with ``torch.utils.cpp_extension.load`` (ninja) into a directory keyed by
+the torch version, the CUDA version (or ``cpu``) and the Python version, under
+``~/.cache/dstest/ext/<key>`` or ``$DSTEST_EXT_DIR/<key>``. A build takes about 30 s on a two-core
+machine and is reused afterwards; ninja rebuilds only what changed. Several processes building at once
+are serialised by torch's file lock in that directory.
+
+CUDA sources are compiled only when torch has CUDA, ``CUDA_HOME`` is found, and an architecture list
+is known (``TORCH_CUDA_ARCH_LIST`` set, or a visible GPU to detect it from: without either, torch's
+arch detection fails with ``IndexError``); otherwise the CPU ops are built alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.utils.cpp_extension as cpp_extension
+
+__all__ = ["ENV_EXT_DIR", "ExtensionInfo", "build_key", "extension_dir", "load_extension"]
+
+#: Environment variable naming the base directory of the build cache.
+ENV_EXT_DIR = "DSTEST_EXT_DIR"
+
+_NAME = "dstest_impl_ops"
+_CSRC = Path(__file__).resolve().parents[2] / "csrc"
+_CPU_SOURCES = ("binding.cpp", "allgather_compact_cpu.cpp")
+_CUDA_SOURCES = ("allgather_compact_cuda.cpp", "allgather_compact.cu")
+
+# Loading registers the ops process-wide and a second load of the same library fails, so the loaded
+# extension is cached once per process; the lock makes concurrent first calls (threaded worlds) build
+# and load it once.
+_LOAD_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class ExtensionInfo:
+    """What :func:`load_extension` loaded."""
+
+    library: Path
+    build_dir: Path
+    with_cuda: bool
+    load_seconds: float
+
+
+def _cuda_wanted() -> bool:
+    if torch.version.cuda is None or cpp_extension.CUDA_HOME is None:
+        return False
+    return bool(os.environ.get("TORCH_CUDA_ARCH_LIST")) or torch.cuda.is_available()
+
+
+def build_key(with_cuda: bool | None = None) -> str:
+    """The cache directory name for this torch, CUDA and Python, e.g. ``torch-2.13.0+cpu-cpu-py311``."""
+    if with_cuda is None:
+        with_cuda = _cuda_wanted()
+    cuda = f"cu{torch.version.cuda}" if with_cuda else "cpu"
+    key = f"torch-{torch.__version__}-{cuda}-py{sys.version_info.major}{sys.version_info.minor}"
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", key)
+
+
+def extension_dir(with_cuda: bool | None = None) -> Path:
+    """Where the extension is built: ``$DSTEST_EXT_DIR/<key>`` or ``~/.cache/dstest/ext/<key>``."""
+    base = os.environ.get(ENV_EXT_DIR)
+    root = Path(base).expanduser() if base else Path.home() / ".cache" / "dstest" / "ext"
+    return root / build_key(with_cuda)
+
+
+@functools.lru_cache(maxsize=1)
+def _load_once() -> ExtensionInfo:
+    with_cuda = _cuda_wanted()
+    build_dir = extension_dir(with_cuda)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    sources = [str(_CSRC / s) for s in _CPU_SOURCES]
+    if with_cuda:
+        sources += [str(_CSRC / s) for s in _CUDA_SOURCES]
+    start = time.perf_counter()
+    library = cpp_extension.load(
+        name=_NAME,
+        sources=sources,
+        extra_cflags=["-O2"],
+        extra_cuda_cflags=["-O3"],
+        extra_include_paths=[str(_CSRC)],
+        build_directory=str(build_dir),
+        with_cuda=with_cuda,
+        is_python_module=False,
+        verbose=False,
+    )
+    # The fake implementations live next to the Python API; imported here, not at the top, because
+    # that module imports this one.
+    from .allgather import _register_fakes
+
+    _register_fakes()
+    return ExtensionInfo(
+        library=Path(str(library)) if library else build_dir / f"{_NAME}.so",
+        build_dir=build_dir,
+        with_cuda=with_cuda,
+        load_seconds=time.perf_counter() - start,
+    )
+
+
+def load_extension() -> ExtensionInfo:
+    """Build (first time only) and load the ``dstest_impl`` ops; later calls return the same info."""
+    with _LOAD_LOCK:
+        return _load_once()
