@@ -140,6 +140,7 @@ class _Exchange:
         self.global_ranks = group.global_ranks
         self.where = f"group {group.label} (seq {seq})"
         self.calls: list[C.Call | None] = [None] * group.size_
+        self.missing = group.size_
         self.waits: list[_CollectiveWait] = []
         self.first: C.Call | None = None
         self.sources: list[Any] | None = None
@@ -206,8 +207,9 @@ class _Session:
                     self._fail_exchange(ex, err)
                     raise _copy_error(err)
             ex.calls[call.group_rank] = call
+            ex.missing -= 1
             ex.waits.append(wait)
-            if any(c is None for c in ex.calls):
+            if ex.missing:
                 return wait
             del self.exchanges[key]
         self._complete(ex)
