@@ -1,0 +1,133 @@
+"""Threaded world: collective bandwidth against memcpy, and scale against torch's threaded group.
+
+    python benchmarks/bench_threaded.py [--quick] [--json PATH]
+
+Everything runs side by side in one process; figures are reported as ratios to their baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _torch_threaded import run_torch_threaded  # noqa: E402
+
+from dstest.worlds.fake import FakeWorld  # noqa: E402
+from dstest.worlds.threaded import ThreadedWorld  # noqa: E402
+
+WORLD = ThreadedWorld()
+BW_WORLD_SIZE = 4
+
+
+def _median(fn: Any, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _collective_loop(ctx: Any, kind: str, nbytes: int, reps: int) -> float:
+    n = max(1, nbytes // 4)
+    w = ctx.world_size
+    if kind == "all_reduce":
+        t = torch.ones(n)
+        call = lambda: dist.all_reduce(t)  # noqa: E731
+    elif kind == "all_gather_into_tensor":
+        inp, out = torch.ones(n // w or 1), torch.empty((n // w or 1) * w)
+        call = lambda: dist.all_gather_into_tensor(out, inp)  # noqa: E731
+    else:
+        inp, out = torch.ones((n // w or 1) * w), torch.empty(n // w or 1)
+        call = lambda: dist.reduce_scatter_tensor(out, inp)  # noqa: E731
+    call()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(reps):
+        call()
+    dist.barrier()
+    return (time.perf_counter() - start) / reps
+
+
+def bandwidth(sizes: list[int], reps: int) -> list[dict[str, Any]]:
+    rows = []
+    for nbytes in sizes:
+        n = max(1, nbytes // 4)
+        src, dst = torch.ones(n), torch.empty(n)
+        memcpy = _median(lambda: dst.copy_(src), max(reps, 5))  # noqa: B023
+        for kind in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
+            per_call = max(WORLD.run(_collective_loop, BW_WORLD_SIZE, args=(kind, nbytes, reps), timeout=600))
+            rows.append(
+                {"bytes": nbytes, "collective": kind, "seconds": per_call, "memcpy_seconds": memcpy,
+                 "ratio_to_memcpy": per_call / memcpy}
+            )
+    return rows
+
+
+def _gather_reduce(ctx: Any) -> None:
+    out = torch.empty(ctx.world_size)
+    dist.all_gather_into_tensor(out, torch.tensor([float(ctx.rank)]))
+    t = torch.ones(1)
+    dist.all_reduce(t)
+
+
+def _gather_reduce_torch(rank: int, world_size: int) -> None:
+    out = [torch.empty(1) for _ in range(world_size)]
+    dist.all_gather(out, torch.tensor([float(rank)]))
+    t = torch.ones(1)
+    dist.all_reduce(t)
+
+
+def scale(world_sizes: list[int], torch_max: int) -> list[dict[str, Any]]:
+    rows = []
+    for ws in world_sizes:
+        ours = _median(lambda: WORLD.run(_gather_reduce, ws, timeout=600), 3 if ws <= 256 else 1)  # noqa: B023
+        theirs = None
+        if ws <= torch_max:
+            theirs = _median(lambda: run_torch_threaded(_gather_reduce_torch, ws), 3 if ws <= 256 else 1)  # noqa: B023
+        rows.append({"world_size": ws, "dstest_seconds": ours, "torch_threaded_seconds": theirs,
+                     "ratio_torch_to_dstest": (theirs / ours) if theirs else None})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer sizes (CI smoke run)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    warnings.simplefilter("ignore", FutureWarning)
+    sizes = [1 << 10, 1 << 20, 64 << 20] if not args.quick else [1 << 10, 1 << 20]
+    results: dict[str, Any] = {"torch": torch.__version__}
+    results["bandwidth"] = bandwidth(sizes, reps=3 if args.quick else 5)
+    print(f"\nthreaded collectives at W={BW_WORLD_SIZE} vs memcpy of the same bytes (lower is better)")
+    print(f"{'bytes':>10} {'collective':<24} {'ms/call':>10} {'memcpy ms':>10} {'ratio':>8}")
+    for r in results["bandwidth"]:
+        print(f"{r['bytes']:>10} {r['collective']:<24} {r['seconds'] * 1e3:>10.3f} {r['memcpy_seconds'] * 1e3:>10.3f} {r['ratio_to_memcpy']:>8.2f}")
+    ws_list = [8, 64, 256] if args.quick else [8, 64, 128, 256, 512, 1024]
+    results["scale"] = scale(ws_list, torch_max=256 if args.quick else 1024)
+    print("\nall_gather + all_reduce, whole world run (threads, groups, collectives)")
+    print(f"{'ranks':>6} {'dstest s':>10} {'torch threaded s':>17} {'torch/dstest':>13}")
+    for r in results["scale"]:
+        theirs = f"{r['torch_threaded_seconds']:.3f}" if r["torch_threaded_seconds"] else "-"
+        ratio = f"{r['ratio_torch_to_dstest']:.2f}" if r["ratio_torch_to_dstest"] else "-"
+        print(f"{r['world_size']:>6} {r['dstest_seconds']:>10.3f} {theirs:>17} {ratio:>13}")
+    start = time.perf_counter()
+    FakeWorld().run(_gather_reduce, 65536)
+    results["fake_65536_seconds"] = time.perf_counter() - start
+    print(f"\nfake world, 65,536 ranks (ranks 0 and 65535 simulated): {results['fake_65536_seconds']:.3f} s")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
