@@ -100,9 +100,12 @@ class Stage0(ZeroStage):
             torch.cat([t[:, :c] for t, c in zip(all_idx, counts)], dim=1),
             torch.cat([t[:c] for t, c in zip(all_val, counts)]).to(grad.dtype),
             grad.shape,
+            check_invariants=True,
         ).coalesce()
         if self.post is not None:
-            merged = torch.sparse_coo_tensor(merged.indices(), merged.values() * self.post, grad.shape).coalesce()
+            merged = torch.sparse_coo_tensor(
+                merged.indices(), merged.values() * self.post, grad.shape, check_invariants=True
+            ).coalesce()
         return merged
 
     def local_gradients(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
