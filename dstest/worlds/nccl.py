@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dstest.worlds.process import ProcessWorld
-
 __all__ = ["NcclWorld"]
 
 
@@ -29,8 +27,11 @@ class NcclWorld:
 
     name = "nccl"
 
-    def __init__(self) -> None:
-        self._processes = ProcessWorld(backend="nccl", device="cuda", name=self.name)
+    def _processes(self) -> Any:
+        # Imported only when GPUs are there: a GPU-less run never loads the process pools.
+        from dstest.worlds.process import ProcessWorld
+
+        return ProcessWorld(backend="nccl", device="cuda", name=self.name)
 
     @property
     def marker(self) -> str:
@@ -41,7 +42,7 @@ class NcclWorld:
         if found == 0:
             return f"needs {world_size} CUDA devices, found 0"
         if found >= world_size:
-            return self._processes.unavailable_reason(world_size)
+            return self._processes().unavailable_reason(world_size)
         return None  # the threaded stand-in runs it
 
     def run(
@@ -66,4 +67,4 @@ class NcclWorld:
             return ThreadedWorld(device="cuda").run(
                 fn, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed, target=target
             )
-        return self._processes.run(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed, target=target)
+        return self._processes().run(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed, target=target)

@@ -148,7 +148,10 @@ def _worker_main(cfg: _WorkerConfig, conn: Connection) -> None:
     stack_file = open(cfg.stack_path, "w")  # noqa: SIM115 - stays open for the life of the worker
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    threading.Thread(target=_watch_parent, args=(cfg.parent_pid,), name="dstest-parent-watch", daemon=True).start()
+    threading.Thread(
+        target=_watch_parent, args=(cfg.parent_pid, os.getppid()), name="dstest-parent-watch", daemon=True
+    ).start()
+    _name_process(f"dstest-r{cfg.rank}")
 
     import datetime
 
@@ -201,12 +204,31 @@ def _worker_main(cfg: _WorkerConfig, conn: Connection) -> None:
     os._exit(0)
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Exit when the parent is gone (killed with SIGKILL, say), even if this rank is stuck in a collective."""
+def _watch_parent(parent_pid: int, launcher_pid: int) -> None:
+    """Exit when the parent is gone (killed with SIGKILL, say), even if this rank is stuck in a collective.
+
+    ``launcher_pid`` is this worker's own parent: the parent itself, or the fork server, which exits
+    with it.
+    """
     while True:
         time.sleep(0.5)
-        if os.getppid() != parent_pid:
+        if os.getppid() != launcher_pid:
             os._exit(3)
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            os._exit(3)
+        except OSError:
+            pass
+
+
+def _name_process(name: str) -> None:
+    """Show workers as ``dstest-r<rank>`` in ps/top and /proc/<pid>/comm (Linux; elsewhere a no-op)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
 class _Server:
@@ -266,10 +288,7 @@ class _Server:
             ok = True
         except BaseException as exc:  # the parent reports every rank's outcome, so catch all
             tb = "".join(traceback.format_exception(exc))
-            try:
-                exc_blob = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception:
-                exc_blob = None
+            exc_blob = _pickle_exception(exc)
         unhealthy = self._end_run()
         return _Reply(run_id, rank, ok, result, tb, exc_blob, self._output_since(start), unhealthy)
 
@@ -340,6 +359,26 @@ class _Server:
         skipped = end - start - size
         text = data.decode(errors="replace")
         return f"[... {skipped} bytes of output cut ...]\n{text}" if skipped else text
+
+
+def _pickle_exception(exc: BaseException) -> bytes | None:
+    outcome = _pytest_outcome(exc)
+    try:
+        return pickle.dumps(outcome or exc, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        return None
+
+
+def _pytest_outcome(exc: BaseException) -> tuple[str, str, str] | None:
+    """pytest.skip/fail/xfail raise classes that claim to live in ``builtins`` and so do not pickle."""
+    outcomes = sys.modules.get("_pytest.outcomes")
+    if outcomes is None:
+        return None
+    for kind in ("Skipped", "XFailed", "Failed", "Exit"):
+        cls = getattr(outcomes, kind, None)
+        if cls is not None and isinstance(exc, cls):
+            return ("pytest-outcome", kind, str(getattr(exc, "msg", None) or exc))
+    return None
 
 
 def _import_module(ref: _FnRef) -> Any:
@@ -470,20 +509,24 @@ class _Pool:
         self.run_ids = itertools.count(1)
         self.last_used = time.monotonic()
         self.started_at = 0.0
-        self.start_seconds: float | None = None  # measured spawn-to-ready time
+        self.start_seconds: float | None = None  # measured launch-to-ready time
         self.dir = ""
+        self.launcher: threading.Thread | None = None
+        self.launch_error: BaseException | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> _Pool:
-        """Spawn the workers and return at once; they import torch and form the group in the background."""
-        ctx = multiprocessing.get_context("spawn")
+        """Launch the workers and return at once; they form the group in the background."""
         self.dir = tempfile.mkdtemp(prefix=f"dstest-{self.key.backend}-ws{self.key.world_size}-")
         store_path = os.path.join(self.dir, "store")
         port = _free_port()
         threads = _threads_per_rank(self.key.world_size)
-        self.started_at = time.monotonic()
+        # The parent's environment as it is now, as a spawned child would get it (a forkserver child
+        # would otherwise get the environment of the moment the fork server started).
+        base_env = dict(os.environ)
+        configs = []
         for rank in range(self.key.world_size):
-            env = {
+            env = base_env | {
                 "RANK": str(rank),
                 "LOCAL_RANK": str(rank),
                 "WORLD_SIZE": str(self.key.world_size),
@@ -495,32 +538,52 @@ class _Pool:
                 env["DS_ACCELERATOR"] = "cpu"
             if threads is not None:
                 env["OMP_NUM_THREADS"] = str(threads)
-            cfg = _WorkerConfig(
-                key=self.key,
-                rank=rank,
-                world_name=self.world_name,
-                store_path=store_path,
-                log_path=os.path.join(self.dir, f"rank{rank}.log"),
-                stack_path=os.path.join(self.dir, f"rank{rank}.stack"),
-                parent_pid=os.getpid(),
-                env=env,
+            configs.append(
+                _WorkerConfig(
+                    key=self.key,
+                    rank=rank,
+                    world_name=self.world_name,
+                    store_path=store_path,
+                    log_path=os.path.join(self.dir, f"rank{rank}.log"),
+                    stack_path=os.path.join(self.dir, f"rank{rank}.stack"),
+                    parent_pid=os.getpid(),
+                    env=env,
+                )
             )
-            parent_conn, child_conn = ctx.Pipe(duplex=True)
-            process = ctx.Process(
-                target=_worker_main, args=(cfg, child_conn), name=f"dstest-{self.world_name}-rank{rank}"
-            )
-            try:
-                process.start()
-            except BaseException:
-                self.kill()
-                raise
-            child_conn.close()
-            self.workers.append(_Worker(rank, process, parent_conn, cfg))
+        self.started_at = time.monotonic()
+        # Launching blocks while a fresh fork server imports torch; do it off the caller's thread.
+        self.launcher = threading.Thread(target=self._launch, args=(configs,), name="dstest-pool-launch", daemon=True)
+        self.launcher.start()
         return self
+
+    def _launch(self, configs: list[_WorkerConfig]) -> None:
+        try:
+            ctx = _mp_context()
+            for cfg in configs:
+                parent_conn, child_conn = ctx.Pipe(duplex=True)
+                process = ctx.Process(
+                    target=_worker_main, args=(cfg, child_conn), name=f"dstest-{self.world_name}-rank{cfg.rank}"
+                )
+                process.start()
+                child_conn.close()
+                self.workers.append(_Worker(cfg.rank, process, parent_conn, cfg))
+        except BaseException as exc:  # reported by wait_ready
+            self.launch_error = exc
+
+    def _join_launcher(self) -> None:
+        if self.launcher is not None:
+            self.launcher.join(max(0.0, self.started_at + POOL_START_TIMEOUT - time.monotonic()))
 
     def wait_ready(self) -> None:
         if self.ready:
             return
+        self._join_launcher()
+        if self.launch_error is not None or len(self.workers) < self.key.world_size:
+            self.start_failed = True
+            self.kill()
+            raise WorkerDied(
+                f"{self._label()}: could not launch the workers: {self.launch_error!r}"
+            ) from self.launch_error
         deadline = self.started_at + POOL_START_TIMEOUT
         waiting = {w.conn: w for w in self.workers}
         while waiting:
@@ -555,6 +618,7 @@ class _Pool:
 
     def stop(self) -> None:
         """Ask every worker to exit, then make sure they have (killing what does not)."""
+        self._join_launcher()
         for w in self.workers:
             with contextlib.suppress(Exception):
                 w.conn.send_bytes(_STOP)
@@ -562,6 +626,7 @@ class _Pool:
 
     def kill(self) -> None:
         """Kill every worker at once (they may be blocked in a collective that will never complete)."""
+        self._join_launcher()
         for w in self.workers:
             if w.process.is_alive():
                 with contextlib.suppress(OSError):
@@ -569,6 +634,7 @@ class _Pool:
         self._reap(grace=5.0)
 
     def _reap(self, grace: float) -> None:
+        self._join_launcher()
         end = time.monotonic() + grace
         for w in self.workers:
             w.process.join(max(0.0, end - time.monotonic()))
@@ -767,10 +833,15 @@ def _unpickle_exception(rep: _Reply) -> BaseException:
     if rep.exception is not None:
         try:
             exc = pickle.loads(rep.exception)
-            if isinstance(exc, BaseException):
-                return exc
         except Exception:
-            pass
+            exc = None
+        if isinstance(exc, BaseException):
+            return exc
+        if isinstance(exc, tuple) and len(exc) == 3 and exc[0] == "pytest-outcome":
+            from _pytest import outcomes
+
+            cls = getattr(outcomes, exc[1])
+            return cls(exc[2]) if exc[1] != "Exit" else cls(exc[2], 1)
     last = rep.traceback.strip().splitlines()[-1] if rep.traceback.strip() else "unknown error"
     return RemoteRankError(last)
 
@@ -812,6 +883,29 @@ def _threads_per_rank(world_size: int) -> int | None:
     if "OMP_NUM_THREADS" in os.environ:
         return None
     return max(1, (os.cpu_count() or 1) // world_size)
+
+
+_PRELOAD = ["__main__", "torch", "torch.distributed", "dstest.context", "dstest.specification", "dstest.worlds.process"]
+_CONTEXT: Any = None
+
+
+def _mp_context() -> Any:
+    """Where workers come from: a fork server that has imported torch once, else plain spawn.
+
+    A spawned worker imports torch itself (seconds each, and W of them share the cores); a worker forked
+    from the fork server starts in milliseconds with torch already imported, yet, like a spawned one,
+    carries none of this process's state (the server never ran a test, never touched CUDA or OpenMP).
+    """
+    global _CONTEXT
+    if _CONTEXT is None:
+        if "forkserver" in multiprocessing.get_all_start_methods():
+            ctx = multiprocessing.get_context("forkserver")
+            # Takes effect when the server starts (here, unless some other code started it already).
+            ctx.set_forkserver_preload(_PRELOAD)
+            _CONTEXT = ctx
+        else:
+            _CONTEXT = multiprocessing.get_context("spawn")
+    return _CONTEXT
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -873,6 +967,21 @@ def shutdown_all() -> None:
     for pool in pools:
         if not pool.closed:
             pool._reap(grace=2.0)
+    _stop_fork_server()
+
+
+def _stop_fork_server() -> None:
+    """Stop the fork server the pools used, so that it is not orphaned when this process exits."""
+    global _CONTEXT
+    if _CONTEXT is None or _CONTEXT.get_start_method() != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    stop = getattr(getattr(forkserver, "_forkserver", None), "_stop", None)  # CPython 3.8+; private
+    if stop is not None:
+        with contextlib.suppress(Exception):
+            stop()
+    _CONTEXT = None
 
 
 def pool_pids() -> dict[tuple[str, int], list[int]]:
@@ -970,6 +1079,11 @@ class ProcessWorld:
             finally:
                 if pool.closed:
                     _replace(pool)
+
+    def prestart(self, world_sizes: Sequence[int]) -> None:
+        """Start the pools of these world sizes without waiting: they warm up while other work runs."""
+        for ws in world_sizes:
+            _pool_for(_PoolKey(self.backend, self.device, ws), self.name)
 
     def warm(self, world_size: int) -> float:
         """Start (if needed) and wait for the pool of ``world_size`` ranks; returns its spawn-to-ready seconds."""

@@ -1,0 +1,347 @@
+"""The process world (warm gloo worker pools) and the NCCL world's skip path.
+
+Pools cost a few seconds to start (spawn, import torch, form the group), so every test here reuses the
+pools of world sizes 1, 2 and 4 that the first tests warm; the failure tests replace the pool of 2.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dstest
+from dstest.errors import InvalidArgument, RankFailure, WorkerDied, WorldTimeout
+from dstest.specification import Case, Settings, run_spec, spec_info
+from dstest.worlds import process
+from dstest.worlds.process import ProcessWorld, pool_pids
+from dstest.worlds.threaded import ThreadedWorld
+
+pytestmark = pytest.mark.cpu
+
+PROCESS = ProcessWorld()
+BOTH = ["threaded", "process"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_pools():
+    PROCESS.prestart([1, 2, 4])  # in the background, while the threaded cases run
+
+
+# -- one spec file, two worlds ------------------------------------------------------------------------
+
+
+@dstest.spec(world_size=[1, 2, 4], worlds=BOTH, contract="E1")
+def test_collectives_agree(ctx):
+    n = ctx.world_size
+    t = torch.full((3,), float(ctx.rank + 1))
+    dist.all_reduce(t)
+    assert t.tolist() == [n * (n + 1) / 2] * 3
+    b = torch.full((2,), float(ctx.rank))
+    dist.broadcast(b, src=n - 1)
+    assert b.tolist() == [n - 1.0] * 2
+    out = [torch.empty(1) for _ in range(n)]
+    dist.all_gather(out, torch.tensor([float(ctx.rank)]))
+    assert [x.item() for x in out] == list(range(n))
+    assert dist.get_rank() == ctx.rank and dist.get_world_size() == n
+
+
+@pytest.mark.parametrize("round_", [1, 2, 3])
+@dstest.spec(world_size=[2, 4], worlds=BOTH, contract="E4")
+def test_groups_of_one_run_do_not_reach_the_next(ctx, round_):
+    # Every round creates groups anew; a process-world worker that kept the last run's groups (or their
+    # store keys) would hang or mix up names here.
+    evens = dist.new_group([r for r in range(ctx.world_size) if r % 2 == 0])
+    solo = dist.new_group([ctx.world_size - 1])
+    t = torch.ones(1)
+    if ctx.rank % 2 == 0:
+        dist.all_reduce(t, group=evens)
+        assert t.item() == len(range(0, ctx.world_size, 2))
+    if ctx.rank == ctx.world_size - 1:
+        dist.all_reduce(t, group=solo)
+    assert dist.get_world_size() == ctx.world_size
+
+
+@dstest.spec(world_size=[2, 4], worlds=BOTH, contract="E1")
+def test_send_recv_ring(ctx):
+    n, r = ctx.world_size, ctx.rank
+    got = torch.empty(2)
+    ops = [dist.P2POp(dist.isend, torch.full((2,), float(r)), (r + 1) % n),
+           dist.P2POp(dist.irecv, got, (r - 1) % n)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    assert got.tolist() == [float((r - 1) % n)] * 2
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+@dstest.spec(world_size=[2], worlds=BOTH)
+def test_params_and_fixtures_reach_process_ranks(ctx, scale, tmp_path):
+    t = torch.full((1,), scale)
+    dist.all_reduce(t)
+    assert t.item() == scale * ctx.world_size
+    assert tmp_path.exists()
+
+
+@dstest.spec(world_size=[2, 4], worlds=["process"])
+def test_process_ranks_are_real_processes(ctx):
+    # What DeepSpeed reads from the environment, and state that is per process, not per thread.
+    assert os.environ["RANK"] == os.environ["LOCAL_RANK"] == str(ctx.rank)
+    assert os.environ["WORLD_SIZE"] == str(ctx.world_size)
+    assert int(os.environ["MASTER_PORT"]) > 0 and os.environ["DS_ACCELERATOR"] == "cpu"
+    pids = [None] * ctx.world_size
+    dist.all_gather_object(pids, os.getpid())
+    assert len(set(pids)) == ctx.world_size and os.getpid() != os.getppid()
+    assert dist.get_backend() == "gloo" and ctx.world == "process"
+    a = torch.randn(256, 256, generator=ctx.generator)
+    assert torch.allclose(a @ torch.eye(256), a)  # intra-op threads work in a forked worker
+
+
+# -- run() directly: results, seeds, errors ----------------------------------------------------------------
+
+
+def _draw_and_reduce(ctx, offset):
+    t = ctx.randn(4) + offset
+    dist.all_reduce(t)
+    return [round(x, 5) for x in t.tolist()], ctx.randint(0, 1000, (3,)).tolist()
+
+
+def test_results_and_seeds_match_the_threaded_world():
+    for ws in (1, 4):
+        want = ThreadedWorld().run(_draw_and_reduce, ws, args=(0.5,), seed=7)
+        assert PROCESS.run(_draw_and_reduce, ws, args=(0.5,), seed=7) == want
+        assert PROCESS.run(_draw_and_reduce, ws, args=(0.5,), seed=7) == want  # run after run (E5)
+
+
+def _global_rng(ctx):
+    return torch.rand(2).tolist()
+
+
+def test_global_rng_is_seeded_per_rank_and_run():
+    first = PROCESS.run(_global_rng, 2, seed=3)
+    assert first == PROCESS.run(_global_rng, 2, seed=3)
+    assert first[0] != first[1] and first != PROCESS.run(_global_rng, 2, seed=4)
+
+
+def _compare(ctx, got):
+    assert got == 3
+
+
+def test_failed_assert_shows_values_like_pytest():
+    with pytest.raises(RankFailure) as info:
+        PROCESS.run(_compare, 1, args=(2,))
+    assert "assert 2 == 3" in str(info.value)
+
+
+def _chatty(ctx):
+    print(f"hello from {ctx.rank}")
+
+
+def test_rank_output_reaches_the_test_capture(capsys):
+    PROCESS.run(_chatty, 2)
+    out = capsys.readouterr().out
+    assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
+
+
+def test_functions_must_be_reachable_by_name():
+    def local(ctx):
+        return 1
+
+    with pytest.raises(InvalidArgument, match="module level"):
+        PROCESS.run(local, 1)
+    with pytest.raises(InvalidArgument, match="module level"):
+        PROCESS.run(lambda ctx: 1, 1)
+
+
+def _unpicklable(ctx):
+    return lambda: None
+
+
+def test_unpicklable_result_is_a_rank_failure():
+    with pytest.raises(RankFailure, match="cannot be pickled"):
+        PROCESS.run(_unpicklable, 1)
+
+
+@dstest.spec(world_size=[2], worlds=["process"])
+def _skips_everywhere(ctx):
+    pytest.skip("not on this target")
+
+
+def test_skip_on_every_rank_skips_the_item():
+    with pytest.raises(pytest.skip.Exception, match="not on this target"):
+        run_spec(spec_info(_skips_everywhere), Case(world="process", world_size=2), Settings(), {})
+
+
+# -- failures: clear errors, nothing left behind, the pool usable again -----------------------------------
+
+
+def _workers_below_me() -> set[int]:
+    """Live dstest workers descending from this process (psutil-free /proc scan; workers name themselves
+    ``dstest-r<rank>`` and are children of multiprocessing's fork server, itself a child of ours)."""
+    parent, comm = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                name, rest = f.read().rsplit(")", 1)
+        except OSError:
+            continue
+        fields = rest.split()
+        if fields[0] != "Z":
+            parent[int(entry)], comm[int(entry)] = int(fields[1]), name.split("(", 1)[1]
+
+    def below_me(pid):
+        while pid > 1:
+            pid = parent.get(pid, 0)
+            if pid == os.getpid():
+                return True
+        return False
+
+    return {pid for pid in parent if comm[pid].startswith("dstest-r") and below_me(pid)}
+
+
+def _assert_replaced(old: list[int]) -> None:
+    for pid in old:
+        assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} of the failed pool survived"
+    live = {pid for pids in pool_pids().values() for pid in pids}
+    assert _workers_below_me() <= live, "a worker process outside the live pools survived"
+    assert PROCESS.run(_draw_and_reduce, 2, args=(0.0,)) == ThreadedWorld().run(_draw_and_reduce, 2, args=(0.0,))
+    assert set(pool_pids()[("gloo", 2)]).isdisjoint(old)
+
+
+def _old_pids() -> list[int]:
+    PROCESS.warm(2)
+    return pool_pids()[("gloo", 2)]
+
+
+def _killed_mid_spec(ctx):
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+
+
+def test_killed_worker_is_reported_and_replaced():
+    old = _old_pids()
+    with pytest.raises(WorkerDied, match=r"rank 1 \(pid \d+\) was killed by SIGKILL while running _killed_mid_spec"):
+        PROCESS.run(_killed_mid_spec, 2, timeout=30)
+    _assert_replaced(old)
+
+
+def _hangs_on_rank_zero(ctx):
+    if ctx.rank == 0:
+        print("rank 0 going to sleep")
+        time.sleep(600)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+
+
+def test_hung_worker_times_out_with_every_stack():
+    old = _old_pids()
+    start = time.monotonic()
+    with pytest.raises(WorldTimeout) as info:
+        PROCESS.run(_hangs_on_rank_zero, 2, timeout=3)
+    assert time.monotonic() - start < 10
+    msg = str(info.value)
+    assert "ranks still running: [0, 1]" in msg and "rank 0 going to sleep" in msg
+    assert "in _hangs_on_rank_zero" in info.value.stacks[0] and "time.sleep" not in info.value.stacks[1]
+    assert "all_reduce" in info.value.stacks[1]
+    _assert_replaced(old)
+
+
+def _raises_on_rank_one(ctx):
+    if ctx.rank == 1:
+        raise ValueError("rank one refuses")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # rank 0 waits here for a rank that will never come
+
+
+def test_rank_failure_short_circuits_blocked_ranks():
+    old = _old_pids()
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        PROCESS.run(_raises_on_rank_one, 2, timeout=60)
+    assert time.monotonic() - start < process.FAILURE_GRACE + 5  # not the 60 s timeout, not gloo's
+    msg = str(info.value)
+    assert "rank 1: ValueError: rank one refuses" in msg and "---- rank 1 ----" in msg
+    assert "rank 0 did not finish" in msg and "all_reduce" in info.value.failures[0]
+    _assert_replaced(old)
+
+
+def _fails_after_collectives(ctx):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert ctx.rank == 0, f"rank {ctx.rank} objects"
+
+
+def test_failure_after_collectives_keeps_the_pool():
+    old = _old_pids()
+    with pytest.raises(RankFailure, match="rank 1 objects"):
+        PROCESS.run(_fails_after_collectives, 2)
+    assert pool_pids()[("gloo", 2)] == old
+    assert PROCESS.run(_draw_and_reduce, 2, args=(1.0,)) == ThreadedWorld().run(_draw_and_reduce, 2, args=(1.0,))
+
+
+# -- the plugin: xdist, and the GPU skip path -------------------------------------------------------------
+
+XDIST_SPECS = """
+import os, torch, torch.distributed as dist
+import dstest
+
+@dstest.spec(world_size=[2], worlds=["process"])
+def test_a(ctx):
+    with open(os.path.join(os.environ["PIDS_DIR"], str(os.getpid())), "w"):
+        pass
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+
+test_b = test_c = test_d = test_a
+"""
+
+
+def test_xdist_runs_process_specs_and_leaves_no_process(pytester: pytest.Pytester, monkeypatch):
+    pids_dir = pytester.mkdir("pids")
+    monkeypatch.setenv("PIDS_DIR", str(pids_dir))
+    pytester.makepyfile(XDIST_SPECS)
+    result = pytester.runpytest_subprocess("-p", "xdist", "-n", "2", "-p", "no:cacheprovider", timeout=120)
+    result.assert_outcomes(passed=4)
+    pids = [int(p.name) for p in pids_dir.iterdir()]
+    assert len(pids) >= 4  # two xdist workers, a pool of 2 each (or one pool when one worker ran all)
+    time.sleep(0.5)  # orphans would be reparented, not gone; give exiting workers a moment
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                assert not f.read().startswith("dstest-r"), f"pool worker {pid} outlived the session"
+        except OSError:
+            pass  # gone: good
+
+
+GPU_SPECS = """
+import dstest
+
+@dstest.spec(world_size=[2, 4], worlds=["process", "nccl"])
+def test_sum(ctx):
+    pass
+"""
+
+
+def test_gpu_marker_collects_nccl_items_and_skips_them(pytester: pytest.Pytester, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; the skip path is for GPU-less machines")
+    # The inline session's pytest_unconfigure would stop this session's warm pools; keep them.
+    monkeypatch.setattr(process, "shutdown_all", lambda: None)
+    pytester.makepyfile(GPU_SPECS)
+    result = pytester.runpytest("-m", "gpu", "-rs", "-v", "-p", "no:cacheprovider")
+    result.stdout.fnmatch_lines(
+        [
+            "*test_sum?nccl-ws2? SKIPPED*",
+            "*SKIPPED*needs 2 CUDA devices, found 0*",
+            "*SKIPPED*needs 4 CUDA devices, found 0*",
+            "*2 skipped, 2 deselected*",
+        ]
+    )
