@@ -25,6 +25,8 @@ __all__ = [
     "rel_err",
     "assert_close_rel",
     "broadcast_tmpdir",
+    "train_step",
+    "DTYPE_CONFIGS",
     "PATHS",
     "path_config",
 ]
@@ -131,6 +133,31 @@ def path_config(stage: int, path: str, op: str, **kw: Any) -> dict[str, Any]:
     stages, zero, top = PATHS[path]
     assert stage in stages, (stage, path)
     return config(stage, op, zero=zero, **{**top, **kw})
+
+
+#: Top-level config entries per compute dtype, and the torch dtype of the model's inputs.
+DTYPE_CONFIGS: dict[str, tuple[dict[str, Any], torch.dtype]] = {
+    "fp32": ({}, torch.float32),
+    "bf16": ({"bf16": {"enabled": True}}, torch.bfloat16),
+    "fp16": ({"fp16": {"enabled": True, "initial_scale_power": 4}}, torch.float16),
+}
+
+
+def train_step(ctx: Any, engine: Any, step: int, gas: int = 1, scale_loss: float = 1.0,
+               dtype: torch.dtype = torch.float32) -> tuple[float, dict[str, torch.Tensor]]:  # fmt: skip
+    """One optimizer step of ``gas`` micro-batches of this rank's data; returns (mean loss, the reduced
+    full gradients read just before the step). Collective."""
+    losses = []
+    grads: dict[str, torch.Tensor] = {}
+    for k in range(gas):
+        x, y = batch(ctx.seed, ctx.rank, step * gas + k, device=ctx.device)
+        loss = mse(engine(x.to(dtype)), y)
+        losses.append(float(loss.detach()))
+        engine.backward(loss * scale_loss if scale_loss != 1.0 else loss)
+        if k == gas - 1:
+            grads = engine.full_gradients()
+        engine.step()
+    return sum(losses) / gas, grads
 
 
 def reference_grads(

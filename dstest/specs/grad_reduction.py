@@ -26,6 +26,7 @@ from dstest.specs import (
     path_config,
     reference_grads,
     rel_err,
+    train_step,
 )
 from dstest.targets import require
 
@@ -38,22 +39,6 @@ _PATH_FEATURES = {
     "overlap": ("overlap_comm",),
 }
 _PATH_CASES = [(s, p) for p, (stages, _, _) in PATHS.items() for s in stages]
-
-
-def _train_step(ctx: Any, engine: Any, step: int, gas: int = 1, scale_loss: float = 1.0,
-                dtype: torch.dtype = torch.float32) -> tuple[float, dict[str, torch.Tensor]]:  # fmt: skip
-    """One optimizer step of ``gas`` micro-batches; returns (mean loss, reduced full gradients)."""
-    losses = []
-    grads: dict[str, torch.Tensor] = {}
-    for k in range(gas):
-        x, y = batch(ctx.seed, ctx.rank, step * gas + k, device=ctx.device)
-        loss = mse(engine(x.to(dtype)), y)
-        losses.append(float(loss.detach()))
-        engine.backward(loss * scale_loss if scale_loss != 1.0 else loss)
-        if k == gas - 1:
-            grads = engine.full_gradients()
-        engine.step()
-    return sum(losses) / gas, grads
 
 
 def _reference(ctx: Any, op: str, gas: int = 1, step: int = 0) -> dict[str, torch.Tensor]:
@@ -90,7 +75,7 @@ def test_b1_default_is_mean(ctx: Any) -> None:
     cfg = config(0)
     del cfg["gradient_allreduce_op"]
     engine = ctx.target.initialize(build(device=ctx.device), cfg)
-    _, grads = _train_step(ctx, engine, 0)
+    _, grads = train_step(ctx, engine, 0)
     assert_close_rel(grads, _reference(ctx, "mean"), 1e-6, "default reduce op")
 
 
@@ -103,7 +88,7 @@ def test_b2_sum_is_w_times_mean(ctx: Any, stage: int, path: str) -> None:
     got = {}
     for op in OPS:
         engine = ctx.target.initialize(build(device=ctx.device), path_config(stage, path, op))
-        _, got[op] = _train_step(ctx, engine, 0, gas)
+        _, got[op] = train_step(ctx, engine, 0, gas)
         assert_close_rel(got[op], _reference(ctx, op, gas), 1e-6, f"{op} at stage {stage}, path {path}")
     W = ctx.world_size
     assert_close_rel(got["sum"], {k: W * v for k, v in got["mean"].items()}, 1e-6, "sum vs W x mean")
@@ -117,7 +102,7 @@ def test_b3_predivide_keeps_exact_mean_and_sum(ctx: Any, stage: int, op: str, fa
     require(ctx.target, f"stage{stage}")
     f = float(ctx.world_size) if factor == "W" else factor
     engine = ctx.target.initialize(build(device=ctx.device), config(stage, op, gradient_predivide_factor=f))
-    _, grads = _train_step(ctx, engine, 0)
+    _, grads = train_step(ctx, engine, 0)
     assert_close_rel(grads, _reference(ctx, op), 1e-6, f"{op} with gradient_predivide_factor={f}")
 
 
@@ -126,7 +111,7 @@ def test_b3_predivide_keeps_exact_mean_and_sum(ctx: Any, stage: int, op: str, fa
 def test_b3_prescale_is_exact_mean(ctx: Any, stage: int) -> None:
     require(ctx.target, f"stage{stage}")
     engine = ctx.target.initialize(build(device=ctx.device), config(stage, "mean", prescale_gradients=True))
-    _, grads = _train_step(ctx, engine, 0)
+    _, grads = train_step(ctx, engine, 0)
     assert_close_rel(grads, _reference(ctx, "mean"), 1e-6, "mean with prescale_gradients")
 
 
@@ -198,7 +183,7 @@ def test_b4_sparse_gradients_mean_and_sum(ctx: Any, stage: int, sparse_path: boo
 def test_b5_communication_data_type(ctx: Any, stage: int, op: str, comm_dtype: str) -> None:
     require(ctx.target, f"stage{stage}")
     engine = ctx.target.initialize(build(device=ctx.device), config(stage, op, communication_data_type=comm_dtype))
-    _, grads = _train_step(ctx, engine, 0)
+    _, grads = train_step(ctx, engine, 0)
     eps = torch.finfo(torch.float16 if comm_dtype == "fp16" else torch.bfloat16).eps
     tol = 4 * eps  # a few roundings of the operands and the sum
     err = rel_err(grads, _reference(ctx, op))
@@ -217,7 +202,7 @@ def test_b6_norm_and_clipping_use_reduced_gradient(ctx: Any, stage: int, op: str
     lr = 1.0  # a large step keeps the fp32 rounding of (before - after) well below the tolerance
     engine = ctx.target.initialize(build(device=ctx.device), config(stage, op, lr=lr, gradient_clipping=max_norm))
     before = engine.full_parameters()
-    _train_step(ctx, engine, 0)
+    train_step(ctx, engine, 0)
     after = engine.full_parameters()
     norm = engine.get_global_grad_norm()
     assert norm is not None and abs(float(norm) - ref_norm) <= 1e-5 * ref_norm, f"norm {norm} != {ref_norm}"
@@ -260,8 +245,8 @@ def test_b8_sum_over_w_trains_like_mean(ctx: Any, stage: int, optimizer: str) ->
     mean = ctx.target.initialize(build(device=ctx.device), config(stage, "mean", optimizer=optimizer, lr=0.05))
     summ = ctx.target.initialize(build(device=ctx.device), config(stage, "sum", optimizer=optimizer, lr=0.05))
     for step in range(5):
-        loss_m, grads_m = _train_step(ctx, mean, step)
-        loss_s, grads_s = _train_step(ctx, summ, step, scale_loss=1.0 / W)
+        loss_m, grads_m = train_step(ctx, mean, step)
+        loss_s, grads_s = train_step(ctx, summ, step, scale_loss=1.0 / W)
         assert abs(loss_m - loss_s) <= 1e-6 * max(abs(loss_m), 1e-12), f"step {step}: loss {loss_s} != {loss_m}"
         assert_close_rel(grads_s, grads_m, 1e-6, f"step {step}: full gradients")
         assert_close_rel(summ.full_parameters(), mean.full_parameters(), 1e-6, f"step {step}: fp32 parameters")
