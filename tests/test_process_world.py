@@ -70,8 +70,7 @@ def test_groups_of_one_run_do_not_reach_the_next(ctx, round_):
 def test_send_recv_ring(ctx):
     n, r = ctx.world_size, ctx.rank
     got = torch.empty(2)
-    ops = [dist.P2POp(dist.isend, torch.full((2,), float(r)), (r + 1) % n),
-           dist.P2POp(dist.irecv, got, (r - 1) % n)]
+    ops = [dist.P2POp(dist.isend, torch.full((2,), float(r)), (r + 1) % n), dist.P2POp(dist.irecv, got, (r - 1) % n)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     assert got.tolist() == [float((r - 1) % n)] * 2
@@ -207,10 +206,10 @@ def _workers_below_me() -> set[int]:
 def _assert_replaced(old: list[int]) -> None:
     for pid in old:
         assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} of the failed pool survived"
-    live = {pid for pids in pool_pids().values() for pid in pids}
-    assert _workers_below_me() <= live, "a worker process outside the live pools survived"
     assert PROCESS.run(_draw_and_reduce, 2, args=(0.0,)) == ThreadedWorld().run(_draw_and_reduce, 2, args=(0.0,))
     assert set(pool_pids()[("gloo", 2)]).isdisjoint(old)
+    live = {pid for pids in pool_pids().values() for pid in pids}
+    assert _workers_below_me() <= live, "a worker process outside the live pools survived"
 
 
 def _old_pids() -> list[int]:

@@ -11,7 +11,10 @@ reason.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dstest.worlds.process import ProcessWorld
 
 __all__ = ["NcclWorld"]
 
@@ -27,7 +30,7 @@ class NcclWorld:
 
     name = "nccl"
 
-    def _processes(self) -> Any:
+    def _processes(self) -> ProcessWorld:
         # Imported only when GPUs are there: a GPU-less run never loads the process pools.
         from dstest.worlds.process import ProcessWorld
 
@@ -60,11 +63,15 @@ class NcclWorld:
         if found == 0:
             from dstest.errors import InvalidWorldSize
 
-            raise InvalidWorldSize(f"world_size={world_size!r}: the nccl world needs {world_size} CUDA devices, found 0")
+            raise InvalidWorldSize(
+                f"world_size={world_size!r}: the nccl world needs {world_size} CUDA devices, found 0"
+            )
         if found < world_size:
             from dstest.worlds.threaded import ThreadedWorld
 
             return ThreadedWorld(device="cuda").run(
                 fn, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed, target=target
             )
-        return self._processes().run(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed, target=target)
+        return self._processes().run(
+            fn, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed, target=target
+        )

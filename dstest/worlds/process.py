@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 
 from dstest.errors import InvalidArgument, InvalidWorldSize, RankFailure, WorkerDied, WorldAborted, WorldTimeout
 
-__all__ = ["ProcessWorld", "shutdown_all", "pool_pids", "POOL_START_TIMEOUT", "FAILURE_GRACE"]
+__all__ = ["FAILURE_GRACE", "POOL_START_TIMEOUT", "ProcessWorld", "pool_pids", "shutdown_all"]
 
 #: Seconds a pool may take to spawn, import torch and form its group (many ranks on few cores are slow).
 POOL_START_TIMEOUT = 180.0
@@ -145,7 +145,7 @@ def _worker_main(cfg: _WorkerConfig, conn: Connection) -> None:
 
     import faulthandler
 
-    stack_file = open(cfg.stack_path, "w")  # noqa: SIM115 - stays open for the life of the worker
+    stack_file = open(cfg.stack_path, "w")
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     threading.Thread(
@@ -166,20 +166,22 @@ def _worker_main(cfg: _WorkerConfig, conn: Connection) -> None:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    store = dist.FileStore(cfg.store_path, key.world_size)
+    from torch._C import _distributed_c10d as c10d_store  # where the store classes live (and are typed)
+
     dist.init_process_group(
         key.backend,
-        store=store,
+        store=c10d_store.FileStore(cfg.store_path, key.world_size),
         rank=cfg.rank,
         world_size=key.world_size,
         timeout=datetime.timedelta(seconds=_BACKEND_TIMEOUT_S),
-        **({"device_id": device} if key.device == "cuda" else {}),
+        device_id=device if key.device == "cuda" else None,  # NCCL: form the communicator now
     )
     warm = torch.ones(1, device=device)
     dist.all_reduce(warm)  # connect and warm the backend so the first spec pays nothing
     if key.device == "cuda":
         torch.cuda.synchronize()
-    import dstest.context  # noqa: F401 - imported once here, not in the first spec
+    # Imported once here rather than by the first spec.
+    import dstest.context
     import dstest.specification  # noqa: F401
 
     conn.send(("ready", os.getpid()))
@@ -317,10 +319,10 @@ class _Server:
         run id), and every run starts counting names where a fresh world does, so ranks stay in sync
         even after a run in which they created different numbers of groups.
         """
-        import torch.distributed as dist
+        from torch._C import _distributed_c10d as c10d_store
         from torch.distributed import distributed_c10d as c10d
 
-        prefixed = dist.PrefixStore(f"dstest-run{run_id}/", self.base_store)
+        prefixed = c10d_store.PrefixStore(f"dstest-run{run_id}/", self.base_store)
         c10d._world.pg_map[self.default_pg] = (self.backend_name, prefixed)
         c10d._world.group_count = self.group_count
 
@@ -599,13 +601,13 @@ class _Pool:
             sentinels = {w.process.sentinel: w for w in self.workers}
             for obj in wait([*waiting, *sentinels], remaining):
                 if obj in waiting:
-                    w = waiting.pop(obj)  # type: ignore[call-overload]
+                    w = waiting.pop(obj)
                     try:
                         w.conn.recv()
                     except (EOFError, OSError):
                         waiting[w.conn] = w  # it died; its sentinel reports it
                 elif obj in sentinels:
-                    w = sentinels[obj]  # type: ignore[index]
+                    w = sentinels[obj]
                     w.process.join(0)
                     self.start_failed = True
                     self.kill()
@@ -655,13 +657,17 @@ class _Pool:
         return [w.pid for w in self.workers if not self.closed]
 
     # -- one run -------------------------------------------------------------------------------------------
-    def run(self, ref: _FnRef, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float, seed: int, target: str) -> list[Any]:
+    def run(
+        self, ref: _FnRef, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float, seed: int, target: str
+    ) -> list[Any]:
         """Run on every worker. On any failure that leaves the pool unusable, the pool is closed: the
         caller replaces it (``self.closed`` tells)."""
         self.wait_ready()
         run_id = next(self.run_ids)
         try:
-            blob = pickle.dumps(_Command(run_id, ref, tuple(args), kwargs, seed, target), protocol=pickle.HIGHEST_PROTOCOL)
+            blob = pickle.dumps(
+                _Command(run_id, ref, tuple(args), kwargs, seed, target), protocol=pickle.HIGHEST_PROTOCOL
+            )
         except Exception as exc:
             raise InvalidArgument(
                 f"the process world sends args and kwargs to its workers by pickle; those of "
@@ -700,9 +706,9 @@ class _Pool:
                 if not reply.ok and first_failure is None:
                     first_failure = time.monotonic()
             for obj in ready:
-                w = by_sentinel.get(obj)  # type: ignore[call-overload]
-                if w is not None and w.rank not in replies:
-                    dead.append(w)
+                gone = by_sentinel.get(obj)
+                if gone is not None and gone.rank not in replies:
+                    dead.append(gone)
         for r in sorted(replies):
             _forward_output(r, replies[r].output)
 
@@ -713,7 +719,8 @@ class _Pool:
             others = self._collect_quietly(replies)
             names = ", ".join(f"rank {d.rank} (pid {d.pid}) {d.describe_exit()}" for d in dead)
             outputs = "".join(
-                f"---- output of rank {d.rank} during the run ----\n{d.output_since(log_starts[d.rank])}\n" for d in dead
+                f"---- output of rank {d.rank} during the run ----\n{d.output_since(log_starts[d.rank])}\n"
+                for d in dead
             )
             failed = {r: rep.traceback for r, rep in others.items() if not rep.ok}
             detail = "".join(f"---- rank {r} ----\n{tb}" for r, tb in sorted(failed.items()))
@@ -841,7 +848,8 @@ def _unpickle_exception(rep: _Reply) -> BaseException:
             from _pytest import outcomes
 
             cls = getattr(outcomes, exc[1])
-            return cls(exc[2]) if exc[1] != "Exit" else cls(exc[2], 1)
+            outcome: BaseException = cls(exc[2]) if exc[1] != "Exit" else cls(exc[2], 1)
+            return outcome
     last = rep.traceback.strip().splitlines()[-1] if rep.traceback.strip() else "unknown error"
     return RemoteRankError(last)
 
