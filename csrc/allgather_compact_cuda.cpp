@@ -3,6 +3,7 @@
 // once on the current stream. Compiled only when torch has CUDA (impl/ops/_build.py).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -27,6 +28,13 @@ void launch(const at::Tensor& src, const at::Tensor& out, const CompactPlan& pla
                        plan.src_off.data(), plan.dst_off.data(), num_segments, plan.total(),
                        /*table_on_device=*/false, stream);
   } else {
+    // A captured graph would replay the host-to-device copy of the table from a pinned block that
+    // the host allocator has long reused; refuse instead of replaying stale offsets.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    TORCH_CHECK(capture == cudaStreamCaptureStatusNone, "dstest_impl::compact: a layout of ",
+                num_segments, " segments (ranks x tensors) cannot be captured in a CUDA graph; at most ",
+                kCompactInlineSegments, " can, with the segment table in the kernel parameters");
     // Too many segments for the parameters: stage the table through pinned memory. The caching
     // host allocator keeps the pinned block alive until the copy has run, and the device table is
     // allocated on `stream`, so freeing it at scope exit is ordered after the kernel.

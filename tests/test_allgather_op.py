@@ -458,7 +458,8 @@ def test_cuda_one_kernel_launch(native_ops: ExtensionInfo) -> None:
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_graph_capture(native_ops: ExtensionInfo) -> None:
-    """D5: the compaction captures into a CUDA graph (segment table by value) and replays right."""
+    """D5: the compaction captures into a CUDA graph (segment table by value) and replays right; a
+    layout too wide for the kernel parameters is refused under capture instead of replaying stale data."""
     counts_list = [[5, 0, 9], [2, 2, 2]]
     sizes = [9, 2]
     padded = values(3 * 11, torch.float16, "cuda")
@@ -478,6 +479,14 @@ def test_cuda_graph_capture(native_ops: ExtensionInfo) -> None:
     torch.cuda.synchronize()
     want = torch.cat(compact_grouped_reference(padded.cpu(), counts_list, sizes))
     assert torch.equal(out.cpu(), want)
+
+    # Beyond 128 segments the table goes through host memory, which a graph cannot replay: refused.
+    wide = values(64 * 2, torch.float16, "cuda")
+    wide_out = torch.empty(64, dtype=torch.float16, device="cuda")
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        wide_out.zero_()  # keeps the captured graph non-empty
+        with pytest.raises(RuntimeError, match=r"192 segments .* cannot be captured in a CUDA graph"):
+            torch.ops.dstest_impl.compact_grouped_out(wide, [1] * 64 + [0] * 128, [1, 1, 0], wide_out)
 
 
 @pytest.mark.gpu

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from impl.ops._build import ExtensionInfo, load_extension
+from impl.ops._build import ExtensionBuildError, ExtensionInfo, load_extension
 from impl.ops.allgather import (
     AllgatherV,
     GroupedAllgatherV,
@@ -18,6 +18,7 @@ from impl.ops.allgather import (
 
 __all__ = [
     "AllgatherV",
+    "ExtensionBuildError",
     "ExtensionInfo",
     "GroupedAllgatherV",
     "Impl",

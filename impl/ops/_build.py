@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.utils.cpp_extension as cpp_extension
 
-__all__ = ["ENV_EXT_DIR", "ExtensionInfo", "build_key", "extension_dir", "load_extension"]
+__all__ = ["ENV_EXT_DIR", "ExtensionBuildError", "ExtensionInfo", "build_key", "extension_dir", "load_extension"]
 
 #: Environment variable naming the base directory of the build cache.
 ENV_EXT_DIR = "DSTEST_EXT_DIR"
@@ -39,6 +40,10 @@ _CUDA_SOURCES = ("allgather_compact_cuda.cpp", "allgather_compact.cu")
 # extension is cached once per process; the lock makes concurrent first calls (threaded worlds) build
 # and load it once.
 _LOAD_LOCK = threading.Lock()
+
+
+class ExtensionBuildError(RuntimeError):
+    """The native ops could not be built or loaded; the message names the build directory."""
 
 
 @dataclass(frozen=True)
@@ -82,17 +87,24 @@ def _load_once() -> ExtensionInfo:
     if with_cuda:
         sources += [str(_CSRC / s) for s in _CUDA_SOURCES]
     start = time.perf_counter()
-    library = cpp_extension.load(
-        name=_NAME,
-        sources=sources,
-        extra_cflags=["-O2"],
-        extra_cuda_cflags=["-O3"],
-        extra_include_paths=[str(_CSRC)],
-        build_directory=str(build_dir),
-        with_cuda=with_cuda,
-        is_python_module=False,
-        verbose=False,
-    )
+    try:
+        library = cpp_extension.load(
+            name=_NAME,
+            sources=sources,
+            extra_cflags=["-O2"],
+            extra_cuda_cflags=["-O3"],
+            extra_include_paths=[str(_CSRC)],
+            build_directory=str(build_dir),
+            with_cuda=with_cuda,
+            is_python_module=False,
+            verbose=False,
+        )
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+        raise ExtensionBuildError(
+            f"building the dstest_impl ops in {build_dir} (cuda={with_cuda}) failed: {exc}. "
+            f"A C++ compiler and ninja are needed (and nvcc for CUDA); {ENV_EXT_DIR} chooses the cache "
+            'directory; impl="reference" runs the pure-torch compaction without the build.'
+        ) from exc
     # The fake implementations live next to the Python API; imported here, not at the top, because
     # that module imports this one.
     from .allgather import _register_fakes
