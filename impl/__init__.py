@@ -9,4 +9,4 @@ from __future__ import annotations
 from impl.config import Config, ConfigError, NotSupportedError, parse_config
 from impl.engine import CheckpointError, Engine, initialize
 
-__all__ = ["initialize", "Engine", "Config", "ConfigError", "NotSupportedError", "CheckpointError", "parse_config"]
+__all__ = ["CheckpointError", "Config", "ConfigError", "Engine", "NotSupportedError", "initialize", "parse_config"]

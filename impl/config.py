@@ -25,34 +25,35 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from typing import Any, Literal
+from types import MappingProxyType
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 __all__ = [
-    "ConfigError",
-    "NotSupportedError",
-    "Config",
-    "FP16Config",
+    "COMM_DTYPES",
+    "OPTIMIZERS",
+    "REDUCE_OPS",
     "BF16Config",
+    "CompileConfig",
+    "Config",
+    "ConfigError",
+    "FP16Config",
+    "NotSupportedError",
+    "OffloadOptimizerConfig",
     "OptimizerConfig",
     "ZeroConfig",
-    "OffloadOptimizerConfig",
-    "CompileConfig",
     "parse_config",
-    "REDUCE_OPS",
-    "OPTIMIZERS",
-    "COMM_DTYPES",
 ]
 
 REDUCE_OPS = ("mean", "sum")
 OPTIMIZERS = ("AdamW", "SGD")
 COMM_DTYPES = ("fp32", "fp16", "bf16")
-_COMM_ALIASES = {
+_COMM_ALIASES = MappingProxyType({
     "fp32": "fp32", "float32": "fp32", "float": "fp32",
     "fp16": "fp16", "float16": "fp16", "half": "fp16",
     "bf16": "bf16", "bfloat16": "bf16",
-}  # fmt: skip
+})  # fmt: skip
 
 
 class ConfigError(ValueError):
@@ -69,13 +70,13 @@ class _Model(BaseModel):
 
 class FP16Config(_Model):
     enabled: StrictBool = False
-    loss_scale: float = Field(0.0, ge=0.0)
+    loss_scale: Annotated[float, Field(ge=0.0)] = 0.0
     """0 means dynamic loss scaling; any other value is a static scale."""
-    initial_scale_power: int = Field(16, ge=0, le=63)
-    loss_scale_window: int = Field(1000, ge=1)
-    hysteresis: int = Field(2, ge=1)
+    initial_scale_power: Annotated[int, Field(ge=0, le=63)] = 16
+    loss_scale_window: Annotated[int, Field(ge=1)] = 1000
+    hysteresis: Annotated[int, Field(ge=1)] = 2
     consecutive_hysteresis: StrictBool = False
-    min_loss_scale: float = Field(1.0, gt=0.0)
+    min_loss_scale: Annotated[float, Field(gt=0.0)] = 1.0
 
 
 class BF16Config(_Model):
@@ -83,17 +84,17 @@ class BF16Config(_Model):
 
 
 class AdamWParams(_Model):
-    lr: float = Field(1e-3, ge=0.0)
+    lr: Annotated[float, Field(ge=0.0)] = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0.0)
-    weight_decay: float = Field(1e-2, ge=0.0)
+    eps: Annotated[float, Field(gt=0.0)] = 1e-8
+    weight_decay: Annotated[float, Field(ge=0.0)] = 1e-2
 
 
 class SGDParams(_Model):
-    lr: float = Field(1e-3, ge=0.0)
-    momentum: float = Field(0.0, ge=0.0)
+    lr: Annotated[float, Field(ge=0.0)] = 1e-3
+    momentum: Annotated[float, Field(ge=0.0)] = 0.0
     dampening: float = 0.0
-    weight_decay: float = Field(0.0, ge=0.0)
+    weight_decay: Annotated[float, Field(ge=0.0)] = 0.0
     nesterov: StrictBool = False
 
 
@@ -134,9 +135,9 @@ class OffloadOptimizerConfig(_Model):
     device: Literal["none", "cpu", "nvme"] = "none"
     pin_memory: StrictBool = False
     nvme_path: str | None = None
-    buffer_count: int = Field(4, ge=1)
+    buffer_count: Annotated[int, Field(ge=1)] = 4
     fast_init: StrictBool = False
-    ratio: float = Field(1.0, ge=0.0, le=1.0)
+    ratio: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
 
     @property
     def enabled(self) -> bool:
@@ -144,11 +145,11 @@ class OffloadOptimizerConfig(_Model):
 
 
 class ZeroConfig(_Model):
-    stage: int = Field(0, ge=0, le=3)
+    stage: Annotated[int, Field(ge=0, le=3)] = 0
     reduce_scatter: StrictBool = True
     contiguous_gradients: StrictBool = True
     overlap_comm: StrictBool = False
-    reduce_bucket_size: int = Field(500_000_000, ge=1)
+    reduce_bucket_size: Annotated[int, Field(ge=1)] = 500_000_000
     compute_grad_norm: StrictBool = True
     offload_optimizer: OffloadOptimizerConfig | None = None
     zenflow: dict[str, Any] | None = None
@@ -178,20 +179,20 @@ class CompileConfig(_Model):
 class Config(_Model):
     """The whole configuration. Field names are DeepSpeed's; see the module docstring for rejections."""
 
-    train_batch_size: int | None = Field(None, ge=1)
-    train_micro_batch_size_per_gpu: int | None = Field(None, ge=1)
-    gradient_accumulation_steps: int = Field(1, ge=1)
-    gradient_clipping: float = Field(0.0, ge=0.0)
+    train_batch_size: Annotated[int | None, Field(ge=1)] = None
+    train_micro_batch_size_per_gpu: Annotated[int | None, Field(ge=1)] = None
+    gradient_accumulation_steps: Annotated[int, Field(ge=1)] = 1
+    gradient_clipping: Annotated[float, Field(ge=0.0)] = 0.0
     gradient_allreduce_op: str = "mean"
-    gradient_predivide_factor: float = Field(1.0, gt=0.0)
+    gradient_predivide_factor: Annotated[float, Field(gt=0.0)] = 1.0
     prescale_gradients: StrictBool = False
     communication_data_type: str | None = None
     sparse_gradients: StrictBool = False
-    fp16: FP16Config = Field(default_factory=FP16Config)
-    bf16: BF16Config = Field(default_factory=BF16Config)
+    fp16: FP16Config = FP16Config()
+    bf16: BF16Config = BF16Config()
     optimizer: OptimizerConfig | None = None
-    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
-    compile: CompileConfig = Field(default_factory=CompileConfig)
+    zero_optimization: ZeroConfig = ZeroConfig()
+    compile: CompileConfig = CompileConfig()
 
     @field_validator("gradient_allreduce_op", mode="before")
     @classmethod
@@ -206,9 +207,7 @@ class Config(_Model):
         if value is None:
             return None
         if not isinstance(value, str) or value.lower() not in _COMM_ALIASES:
-            raise ValueError(
-                f"communication_data_type={value!r} is not allowed; allowed: {list(COMM_DTYPES)} or null"
-            )
+            raise ValueError(f"communication_data_type={value!r} is not allowed; allowed: {list(COMM_DTYPES)} or null")
         return _COMM_ALIASES[value.lower()]
 
     @field_validator("gradient_predivide_factor", "gradient_clipping")

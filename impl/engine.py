@@ -3,7 +3,7 @@
 One training step, on every rank of the data-parallel group::
 
     out = engine(batch)                 # the model's forward
-    engine.backward(loss)               # loss / gradient_accumulation_steps (× loss scale for fp16); at the
+    engine.backward(loss)               # loss / gradient_accumulation_steps (x loss scale for fp16); at the
                                         #   accumulation boundary the stage reduces gradients (mean or sum)
     engine.step()                       # at the boundary: overflow check (every dtype, C4), global norm
                                         #   (unless compute_grad_norm is false, C3), clipping, update
@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -28,10 +29,10 @@ from impl.loss_scaler import LossScaler, build_loss_scaler
 from impl.optim import build_optimizer
 from impl.zero import ReductionSettings, StageContext, build_stage
 
-__all__ = ["initialize", "Engine", "CheckpointError", "CHECKPOINT_VERSION"]
+__all__ = ["CHECKPOINT_VERSION", "CheckpointError", "Engine", "initialize"]
 
 CHECKPOINT_VERSION = 1
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_DTYPES = MappingProxyType({"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16})
 
 
 class CheckpointError(ConfigError):
@@ -190,7 +191,7 @@ class Engine:
         if self.loss_scaler is not None:
             loss = loss.float() * self.loss_scaler.scale
         self.stage.prepare_backward(boundary)
-        loss.backward(retain_graph=retain_graph)
+        torch.autograd.backward(loss, retain_graph=retain_graph)
         if boundary:
             self.stage.reduce_gradients()
 

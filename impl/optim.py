@@ -15,7 +15,7 @@ import torch
 
 from impl.config import AdamWParams, OptimizerConfig, SGDParams
 
-__all__ = ["FlatOptimizer", "AdamW", "SGD", "build_optimizer"]
+__all__ = ["SGD", "AdamW", "FlatOptimizer", "build_optimizer"]
 
 
 class FlatOptimizer(Protocol):
@@ -29,7 +29,7 @@ class FlatOptimizer(Protocol):
 
 class AdamW:
     name = "AdamW"
-    state_names = ("exp_avg", "exp_avg_sq")
+    state_names: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, hp: AdamWParams) -> None:
         self.lr = hp.lr

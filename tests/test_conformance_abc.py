@@ -1,5 +1,5 @@
 """Collects the bundled specs of SPEC.md parts A, B and C (run against ``--dstest-target``, impl by default)."""
 
-from dstest.specs.grad_norm import *  # noqa: F401,F403
-from dstest.specs.grad_reduction import *  # noqa: F401,F403
-from dstest.specs.optional_groups import *  # noqa: F401,F403
+from dstest.specs.grad_norm import *  # noqa: F403
+from dstest.specs.grad_reduction import *  # noqa: F403
+from dstest.specs.optional_groups import *  # noqa: F403

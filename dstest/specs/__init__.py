@@ -15,20 +15,20 @@ from typing import Any
 import torch
 
 __all__ = [
-    "SpecNet",
-    "WideNet",
-    "build",
-    "batch",
-    "mse",
-    "config",
-    "reference_grads",
-    "rel_err",
-    "assert_close_rel",
-    "broadcast_tmpdir",
-    "train_step",
     "DTYPE_CONFIGS",
     "PATHS",
+    "SpecNet",
+    "WideNet",
+    "assert_close_rel",
+    "batch",
+    "broadcast_tmpdir",
+    "build",
+    "config",
+    "mse",
     "path_config",
+    "reference_grads",
+    "rel_err",
+    "train_step",
 ]
 
 MODEL_SEED = 1234
@@ -67,7 +67,8 @@ class WideNet(torch.nn.Module):
         self.fc2 = torch.nn.Linear(101, 13)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(x)))
+        out: torch.Tensor = self.fc2(torch.tanh(self.fc1(x)))
+        return out
 
 
 def build(cls: Callable[[], torch.nn.Module] = SpecNet, seed: int = MODEL_SEED, dtype: torch.dtype = torch.float32,
@@ -173,7 +174,7 @@ def reference_grads(
     for micro in batches:
         for x, y in micro:
             ref.zero_grad()
-            (loss_fn(ref(x.double()), y.double()) / len(micro)).backward()
+            (loss_fn(ref(x.double()), y.double()) / len(micro)).backward()  # type: ignore[no-untyped-call]
             for n, p in ref.named_parameters():
                 assert p.grad is not None
                 total[n] += p.grad

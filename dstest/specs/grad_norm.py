@@ -110,7 +110,12 @@ _C4_CASES = [(0, True), (1, True), (1, False), (2, True), (2, False)]
 def test_c4_overflow_on_one_rank_skips_step_everywhere(
     ctx: Any, stage: int, compute_norm: bool, dtype: str, poison: str
 ) -> None:
-    require(ctx.target, f"stage{stage}", *([dtype] if dtype != "fp32" else []), *([] if compute_norm else ["compute_grad_norm"]))
+    require(
+        ctx.target,
+        f"stage{stage}",
+        *([dtype] if dtype != "fp32" else []),
+        *([] if compute_norm else ["compute_grad_norm"]),
+    )
     top, in_dtype = DTYPE_CONFIGS[dtype]
     zero = {} if compute_norm else _NO_NORM
     engine = ctx.target.initialize(build(device=ctx.device), config(stage, "mean", optimizer="AdamW", zero=zero, **top))

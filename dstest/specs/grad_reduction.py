@@ -82,7 +82,7 @@ def test_b1_default_is_mean(ctx: Any) -> None:
 @pytest.mark.parametrize("stage,path", _PATH_CASES, ids=[f"stage{s}-{p}" for s, p in _PATH_CASES])
 @dstest.spec(world_size=[1, 2, 3], contract="B2")
 def test_b2_sum_is_w_times_mean(ctx: Any, stage: int, path: str) -> None:
-    """mean delivers (1/W)·Σ g_r, sum delivers Σ g_r = W × mean, on every reduction path."""
+    """mean delivers (1/W)·Σ g_r, sum delivers Σ g_r = W x mean, on every reduction path."""
     require(ctx.target, f"stage{stage}", *_PATH_FEATURES.get(path, ()))
     gas = PATHS[path][2].get("gradient_accumulation_steps", 1)
     got = {}
@@ -139,7 +139,8 @@ class _EmbNet(torch.nn.Module):
         self.head = torch.nn.Linear(5, 7)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.emb(tokens).mean(dim=1))
+        out: torch.Tensor = self.head(self.emb(tokens).mean(dim=1))
+        return out
 
 
 def _tokens(ctx_seed: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,8 +169,9 @@ def test_b4_sparse_gradients_mean_and_sum(ctx: Any, stage: int, sparse_path: boo
     for r in range(ctx.world_size):
         t, yr = _tokens(ctx.seed, r)
         ref.zero_grad()
-        mse(ref(t), yr.double()).backward()
+        mse(ref(t), yr.double()).backward()  # type: ignore[no-untyped-call]
         for n, p in ref.named_parameters():
+            assert p.grad is not None
             want[n] += p.grad
     if op == "mean":
         want = {n: v / ctx.world_size for n, v in want.items()}

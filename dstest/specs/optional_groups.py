@@ -130,7 +130,8 @@ class _TPNet(torch.nn.Module):
         self.col, self.row = col, row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.row(torch.tanh(self.col(x)))
+        out: torch.Tensor = self.row(torch.tanh(self.col(x)))
+        return out
 
 
 _D, _H, _O = 5, 7, 3  # hidden 7: uneven shards over 2, 3 and 4 ranks
@@ -159,14 +160,18 @@ def test_a6_tensor_parallel_linear_pair(ctx: Any, kind: str) -> None:
     ref = [t.clone().requires_grad_() for t in (w1, b1, w2, b2)]
     xr = _shared(15, 4, _D).requires_grad_()
     yr = F.linear(torch.tanh(F.linear(xr, ref[0], ref[1])), ref[2], ref[3])
-    yr.pow(2).sum().backward()
+    yr.pow(2).sum().backward()  # type: ignore[no-untyped-call]
     torch.testing.assert_close(y.double().cpu(), yr.detach(), rtol=1e-5, atol=1e-6)
     o = _block_offset(w1.float(), col.weight.detach().cpu(), 0)
     grads = [col.weight.grad, col.bias.grad, row.weight.grad, row.bias.grad, x.grad]
-    wants = [ref[0].grad[o : o + h], ref[1].grad[o : o + h], ref[2].grad[:, o : o + h], ref[3].grad, xr.grad]
-    for name, got, want in zip(["w1", "b1", "w2", "b2", "x"], grads, wants):
+    g1, gb1, g2, gb2 = (t.grad for t in ref)
+    assert g1 is not None and gb1 is not None and g2 is not None
+    wants = [g1[o : o + h], gb1[o : o + h], g2[:, o : o + h], gb2, xr.grad]
+    for name, got, want in zip(["w1", "b1", "w2", "b2", "x"], grads, wants, strict=True):
         assert got is not None, f"no gradient for {name}"
-        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        assert want is not None
+        err = (got.double().cpu() - want).abs().max().item()
+        assert err <= 1e-6 + 1e-5 * want.abs().max().item(), f"gradient of {name}: max error {err:.3e}"
 
 
 _VOCAB = 11
@@ -189,11 +194,13 @@ def test_a6_vocab_parallel_cross_entropy(ctx: Any, kind: str) -> None:
     loss.backward()
     full = logits.clone().requires_grad_()
     want = F.cross_entropy(full, target)
-    want.backward()
+    want.backward()  # type: ignore[no-untyped-call]
     assert full.grad is not None and local.grad is not None
     got, ref = float(loss.detach()), float(want.detach())
     assert abs(got - ref) <= 1e-6 * abs(ref), f"{kind}: loss {got} != {ref}"
-    torch.testing.assert_close(local.grad.double().cpu(), full.grad[:, start : start + sizes[grank]], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(
+        local.grad.double().cpu(), full.grad[:, start : start + sizes[grank]], rtol=1e-5, atol=1e-7
+    )
 
 
 @pytest.mark.parametrize("kind", TOPOLOGIES)
@@ -231,7 +238,7 @@ def test_a6_zero_model_parallel_reductions(ctx: Any, kind: str, stage: int) -> N
     engine.backward(engine(x).pow(2).sum())
     engine.step()
     ref = [t.clone().requires_grad_() for t in (w1, b1, w2, b2)]
-    F.linear(torch.tanh(F.linear(_shared(15, 4, _D), ref[0], ref[1])), ref[2], ref[3]).pow(2).sum().backward()
+    F.linear(torch.tanh(F.linear(_shared(15, 4, _D), ref[0], ref[1])), ref[2], ref[3]).pow(2).sum().backward()  # type: ignore[no-untyped-call]
     want = math.sqrt(sum(float(t.grad.pow(2).sum()) for t in ref if t.grad is not None))
     norm = engine.get_global_grad_norm()
     assert norm is not None and abs(float(norm) - want) <= 1e-5 * want, f"{kind}: norm {norm} != {want}"
@@ -274,7 +281,7 @@ def test_a8_no_gradient_collective_at_w1(ctx: Any, stage: int, op: str) -> None:
         grads = engine.full_gradients()
         engine.step()
         plain.zero_grad()
-        mse(plain(x), y).backward()
+        mse(plain(x), y).backward()  # type: ignore[no-untyped-call]
         with torch.no_grad():
             for name, p in plain.named_parameters():
                 assert p.grad is not None and torch.equal(grads[name], p.grad), f"step {step}: gradient {name}"

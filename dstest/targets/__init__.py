@@ -7,7 +7,7 @@ import importlib
 from dstest.errors import InvalidArgument
 from dstest.targets.base import FEATURES, Target, TrainingEngine, require
 
-__all__ = ["Target", "TrainingEngine", "FEATURES", "require", "get_target", "TARGET_NAMES"]
+__all__ = ["FEATURES", "TARGET_NAMES", "Target", "TrainingEngine", "get_target", "require"]
 
 # name -> (module, class); adapters are imported on first use (a third-party target may not be installed).
 _TARGETS: dict[str, tuple[str, str]] = {

@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Target", "TrainingEngine", "FEATURES", "require"]
+__all__ = ["FEATURES", "Target", "TrainingEngine", "require"]
 
 #: Feature names a spec may ask :meth:`Target.supports` about.
 FEATURES = frozenset(

@@ -29,14 +29,14 @@ import torch
 from impl.comm.pg_utils import is_parallel
 
 __all__ = [
-    "CommStats",
     "Comm",
-    "all_reduce",
-    "reduce_scatter",
-    "all_gather_into",
+    "CommStats",
     "all_gather",
-    "broadcast",
+    "all_gather_into",
+    "all_reduce",
     "barrier",
+    "broadcast",
+    "reduce_scatter",
 ]
 
 _REDUCE_OPS = ("sum", "max", "min")

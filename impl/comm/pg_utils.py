@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["is_parallel", "effective_size", "effective_rank", "is_member"]
+__all__ = ["effective_rank", "effective_size", "is_member", "is_parallel"]
 
 
 def _non_member(group: Any) -> bool:

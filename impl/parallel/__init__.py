@@ -13,9 +13,9 @@ from impl.parallel.norm import global_norm, grad_norm
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
-    "shard_sizes",
-    "shard_range",
-    "vocab_parallel_cross_entropy",
     "global_norm",
     "grad_norm",
+    "shard_range",
+    "shard_sizes",
+    "vocab_parallel_cross_entropy",
 ]

@@ -20,7 +20,7 @@ __all__ = ["vocab_parallel_cross_entropy"]
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: Any, vocab_start: int, ignore_index: int
     ) -> torch.Tensor:
         x = logits.float()
@@ -49,7 +49,7 @@ class _VocabParallelCE(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         softmax, mine, idx, valid = ctx.saved_tensors
         grad = softmax.clone()
         if grad.shape[-1]:
@@ -75,7 +75,7 @@ def vocab_parallel_cross_entropy(
         raise ValueError(f"reduction={reduction!r}; allowed: ['mean', 'sum', 'none']")
     if vocab_start < 0:
         raise ValueError(f"vocab_start={vocab_start!r} must be >= 0")
-    loss = _VocabParallelCE.apply(logits, target, group, vocab_start, ignore_index)
+    loss = _VocabParallelCE.apply(logits, target, group, vocab_start, ignore_index)  # type: ignore[no-untyped-call]
     if reduction == "none":
         return loss.to(logits.dtype)  # type: ignore[no-any-return]
     total = loss.sum()

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from impl.comm.pg_utils import effective_rank, effective_size
 from impl.parallel.mappings import copy_to_region, reduce_from_region
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "shard_sizes", "shard_range"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "shard_range", "shard_sizes"]
 
 
 def shard_sizes(total: int, parts: int) -> list[int]:
@@ -56,7 +56,9 @@ class ColumnParallelLinear(torch.nn.Module):
         self.lo, self.hi = shard_range(weight.shape[0], group)
         self.out_features, self.in_features = weight.shape
         self.weight = _mark(torch.nn.Parameter(weight.detach()[self.lo : self.hi].clone()), True)
-        self.bias = _mark(torch.nn.Parameter(bias.detach()[self.lo : self.hi].clone()), True) if bias is not None else None
+        self.bias = (
+            _mark(torch.nn.Parameter(bias.detach()[self.lo : self.hi].clone()), True) if bias is not None else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_region(x, self.group), self.weight, self.bias)

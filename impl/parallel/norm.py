@@ -45,15 +45,11 @@ def global_norm(
     return acc.pow(1.0 / norm_type)
 
 
-def grad_norm(
-    parameters: Iterable[torch.nn.Parameter], mp_group: Any = None, norm_type: float = 2.0
-) -> torch.Tensor:
+def grad_norm(parameters: Iterable[torch.nn.Parameter], mp_group: Any = None, norm_type: float = 2.0) -> torch.Tensor:
     """The global norm of the ``.grad`` of ``parameters`` over ``mp_group``: parameters marked
     ``tensor_model_parallel`` count on every rank, replicated ones only on model-parallel rank 0."""
     rank = effective_rank(mp_group)
     grads = [
-        p.grad
-        for p in parameters
-        if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or rank == 0)
+        p.grad for p in parameters if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or rank == 0)
     ]
     return global_norm(grads, mp_group, norm_type)

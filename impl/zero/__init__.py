@@ -41,7 +41,7 @@ from impl.zero.base import ReductionSettings, StageContext, ZeroStage
 from impl.zero.stage0 import Stage0
 from impl.zero.stage12 import Stage12
 
-__all__ = ["build_stage", "ZeroStage", "StageContext", "ReductionSettings", "Stage0", "Stage12"]
+__all__ = ["ReductionSettings", "Stage0", "Stage12", "StageContext", "ZeroStage", "build_stage"]
 
 
 def build_stage(stage: int, ctx: StageContext) -> Any:

@@ -18,9 +18,9 @@ from impl.config import Config
 from impl.optim import FlatOptimizer
 
 __all__ = [
+    "FlatLayout",
     "ReductionSettings",
     "StageContext",
-    "FlatLayout",
     "StagingBuffers",
     "ZeroStage",
     "make_buckets",
@@ -208,7 +208,10 @@ class ZeroStage:
         self._reduced: set[int] = set()
         self._hooks: list[Any] = []
         if ctx.reduction.overlap and self.parallel:
-            self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
+            self._hooks = [
+                p.register_post_accumulate_grad_hook(self._hook(i))  # type: ignore[no-untyped-call]
+                for i, p in enumerate(self.params)
+            ]
 
     # -- reduction driver ---------------------------------------------------------------------------
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
@@ -255,7 +258,7 @@ class ZeroStage:
         """Copy a bucket's gradients into the flat staging buffer (flat order), pre-scaled."""
         lo = self.layout.offsets[bucket[0]]
         flat = self.staging.get("bucket", self.layout.offsets[bucket[-1] + 1] - lo, dtype)
-        for i, g in zip(bucket, grads):
+        for i, g in zip(bucket, grads, strict=True):
             o = self.layout.offsets[i] - lo
             flat[o : o + g.numel()].view_as(g).copy_(g)
         if self.pre is not None:

@@ -97,8 +97,8 @@ class Stage0(ZeroStage):
         all_idx = comm.all_gather(pad_idx, group)
         all_val = comm.all_gather(pad_val, group)
         merged = torch.sparse_coo_tensor(
-            torch.cat([t[:, :c] for t, c in zip(all_idx, counts)], dim=1),
-            torch.cat([t[:c] for t, c in zip(all_val, counts)]).to(grad.dtype),
+            torch.cat([t[:, :c] for t, c in zip(all_idx, counts, strict=True)], dim=1),
+            torch.cat([t[:c] for t, c in zip(all_val, counts, strict=True)]).to(grad.dtype),
             grad.shape,
             check_invariants=True,
         ).coalesce()
@@ -141,7 +141,7 @@ class Stage0(ZeroStage):
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         out = {}
-        for n, p in zip(self.names, self.params):
+        for n, p in zip(self.names, self.params, strict=True):
             if p.grad is None:
                 raise RuntimeError(f"no gradient for {n!r}: full_gradients() is valid between backward and step")
             out[n] = (p.grad.to_dense() if p.grad.is_sparse else p.grad).float().clone()

@@ -49,7 +49,9 @@ class Stage12(ZeroStage):
             for i, plo, n, o in self.fragments:
                 self.master[o : o + n].copy_(self.params[i].detach().reshape(-1)[plo : plo + n])
         self.grad_partition = torch.zeros(P, dtype=torch.float32, device=self.device)
-        self.state = {name: torch.zeros(P, dtype=torch.float32, device=self.device) for name in ctx.optimizer.state_names}
+        self.state = {
+            name: torch.zeros(P, dtype=torch.float32, device=self.device) for name in ctx.optimizer.state_names
+        }
 
     # -- reduction ----------------------------------------------------------------------------------
     def _own(self, i: int) -> tuple[int, int, int] | None:
@@ -77,10 +79,10 @@ class Stage12(ZeroStage):
             assert g is not None
             grads.append(g.to_dense() if g.is_sparse else g)
         if not self.parallel:  # A8: the rank owns everything; no exchange, no scaling, no staging buffer
-            for i, g in zip(bucket, grads):
+            for i, g in zip(bucket, grads, strict=True):
                 self._take_share(i, g.reshape(-1))
         elif self.path == "non_contiguous":
-            for i, g in zip(bucket, grads):
+            for i, g in zip(bucket, grads, strict=True):
                 work = g.to(self._comm_dtype(g.dtype))
                 if self.pre is not None:
                     work.mul_(self.pre)
@@ -151,7 +153,7 @@ class Stage12(ZeroStage):
     # -- accessors (collective at W > 1: call on every rank) ----------------------------------------
     def _unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         out = {}
-        for i, (n, p) in enumerate(zip(self.names, self.params)):
+        for i, (n, p) in enumerate(zip(self.names, self.params, strict=True)):
             o = self.layout.offsets[i]
             out[n] = flat[o : o + p.numel()].view(p.shape).clone()
         return out
