@@ -29,74 +29,89 @@ constexpr int64_t kChunkBytes = int64_t{kThreads} * kUnroll * 16;
 constexpr int kMinBlocksPerSm = 4;
 constexpr int64_t kMaxBlocks = int64_t{1} << 16;  // beyond this the grid-stride loop takes over
 
+// Everything a block does is in __host__ __device__ functions of the block and thread index, so
+// ci/kernel_check.sh can run the very same code on the host (thread by thread, no GPU) against
+// memcpy; the __global__ kernel only supplies blockIdx/threadIdx.
+#define DSTEST_HD __host__ __device__ __forceinline__
+#ifdef __CUDA_ARCH__
+#define DSTEST_UNROLL _Pragma("unroll")
+#else
+#define DSTEST_UNROLL  // the host compiler does not know the pragma (and -Werror)
+#endif
+
 // The segment table travels by value in the kernel parameters (constant bank, indexable).
 struct InlineTable {
   int64_t src[kCompactInlineSegments];
   int64_t dst[kCompactInlineSegments + 1];
-  __device__ __forceinline__ int64_t src_at(int64_t s) const { return src[s]; }
-  __device__ __forceinline__ int64_t dst_at(int64_t s) const { return dst[s]; }
+  DSTEST_HD int64_t src_at(int64_t s) const { return src[s]; }
+  DSTEST_HD int64_t dst_at(int64_t s) const { return dst[s]; }
 };
 
 // The segment table lives in device memory, for layouts with more segments than fit inline.
 struct DeviceTable {
   const int64_t* src;
   const int64_t* dst;
-  __device__ __forceinline__ int64_t src_at(int64_t s) const { return src[s]; }
-  __device__ __forceinline__ int64_t dst_at(int64_t s) const { return dst[s]; }
+  DSTEST_HD int64_t src_at(int64_t s) const { return src[s]; }
+  DSTEST_HD int64_t dst_at(int64_t s) const { return dst[s]; }
+};
+
+// One thread's place in its block.
+struct Lane {
+  int tid;
+  int nthreads;
 };
 
 // Copies n bytes from s to d with the whole block; d and s must be congruent modulo sizeof(V).
 // A piece never exceeds one chunk, so 32-bit indices suffice here (and keep register use low).
 template <typename V>
-__device__ __forceinline__ void copy_piece(char* d, const char* s, int n) {
+DSTEST_HD void copy_piece(char* d, const char* s, int n, Lane lane) {
   constexpr int kV = static_cast<int>(sizeof(V));
   const int misalign = static_cast<int>(reinterpret_cast<uintptr_t>(d) % kV);
-  const int head = min((kV - misalign) % kV, n);
+  const int align_head = (kV - misalign) % kV;
+  const int head = align_head < n ? align_head : n;
   const int nvec = (n - head) / kV;
   const int tail = head + nvec * kV;
-  const int tid = static_cast<int>(threadIdx.x);
-  const int nthreads = static_cast<int>(blockDim.x);
 
-  for (int i = tid; i < head; i += nthreads) d[i] = s[i];
+  for (int i = lane.tid; i < head; i += lane.nthreads) d[i] = s[i];
 
   V* dv = reinterpret_cast<V*>(d + head);
   const V* sv = reinterpret_cast<const V*>(s + head);
-  for (int base = tid; base < nvec; base += nthreads * kUnroll) {
+  for (int base = lane.tid; base < nvec; base += lane.nthreads * kUnroll) {
     V buf[kUnroll];
-#pragma unroll
+DSTEST_UNROLL
     for (int u = 0; u < kUnroll; ++u) {
-      const int i = base + u * nthreads;
+      const int i = base + u * lane.nthreads;
       if (i < nvec) buf[u] = sv[i];
     }
-#pragma unroll
+DSTEST_UNROLL
     for (int u = 0; u < kUnroll; ++u) {
-      const int i = base + u * nthreads;
+      const int i = base + u * lane.nthreads;
       if (i < nvec) dv[i] = buf[u];
     }
   }
 
-  for (int i = tail + tid; i < n; i += nthreads) d[i] = s[i];
+  for (int i = tail + lane.tid; i < n; i += lane.nthreads) d[i] = s[i];
 }
 
-__device__ __forceinline__ void copy_bytes(char* d, const char* s, int n) {
+DSTEST_HD void copy_bytes(char* d, const char* s, int n, Lane lane) {
   const uintptr_t rel = reinterpret_cast<uintptr_t>(d) ^ reinterpret_cast<uintptr_t>(s);
   if (rel % 16 == 0) {
-    copy_piece<uint4>(d, s, n);
+    copy_piece<uint4>(d, s, n, lane);
   } else if (rel % 8 == 0) {
-    copy_piece<uint2>(d, s, n);
+    copy_piece<uint2>(d, s, n, lane);
   } else if (rel % 4 == 0) {
-    copy_piece<unsigned int>(d, s, n);
+    copy_piece<unsigned int>(d, s, n, lane);
   } else if (rel % 2 == 0) {
-    copy_piece<unsigned short>(d, s, n);
+    copy_piece<unsigned short>(d, s, n, lane);
   } else {
-    copy_piece<unsigned char>(d, s, n);
+    copy_piece<unsigned char>(d, s, n, lane);
   }
 }
 
 // First segment whose destination range ends after `byte` (exists: byte < total bytes).
 template <class Table>
-__device__ __forceinline__ int64_t first_segment_after(const Table& table, int64_t num_segments,
-                                                       int64_t elem_size, int64_t byte) {
+DSTEST_HD int64_t first_segment_after(const Table& table, int64_t num_segments, int64_t elem_size,
+                                      int64_t byte) {
   int64_t lo = 0;
   int64_t hi = num_segments - 1;
   while (lo < hi) {
@@ -110,12 +125,13 @@ __device__ __forceinline__ int64_t first_segment_after(const Table& table, int64
   return lo;
 }
 
+// The work of block `block` out of `num_blocks`: its chunks, grid-stride.
 template <class Table>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
-    compact_kernel(char* __restrict__ dst, const char* __restrict__ src, int64_t elem_size,
-                   const Table table, int64_t num_segments, int64_t total_bytes) {
+DSTEST_HD void compact_block(char* dst, const char* src, int64_t elem_size, const Table& table,
+                             int64_t num_segments, int64_t total_bytes, int64_t block,
+                             int64_t num_blocks, Lane lane) {
   const int64_t num_chunks = (total_bytes + kChunkBytes - 1) / kChunkBytes;
-  for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {
+  for (int64_t chunk = block; chunk < num_chunks; chunk += num_blocks) {
     const int64_t begin = chunk * kChunkBytes;
     const int64_t end = begin + kChunkBytes < total_bytes ? begin + kChunkBytes : total_bytes;
     for (int64_t s = first_segment_after(table, num_segments, elem_size, begin); s < num_segments;
@@ -127,9 +143,23 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
       const int64_t piece_end = end < seg_end ? end : seg_end;
       if (piece_end <= piece_begin) continue;  // an empty shard
       copy_bytes(dst + piece_begin, src + table.src_at(s) * elem_size + (piece_begin - seg_begin),
-                 static_cast<int>(piece_end - piece_begin));
+                 static_cast<int>(piece_end - piece_begin), lane);
     }
   }
+}
+
+template <class Table>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
+    compact_kernel(char* __restrict__ dst, const char* __restrict__ src, int64_t elem_size,
+                   const Table table, int64_t num_segments, int64_t total_bytes) {
+  compact_block(dst, src, elem_size, table, num_segments, total_bytes, blockIdx.x, gridDim.x,
+                Lane{static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x)});
+}
+
+// Blocks for `total_bytes` of output: one per chunk, capped (the grid-stride loop covers the rest).
+inline unsigned int compact_grid_size(int64_t total_bytes) {
+  const int64_t num_chunks = (total_bytes + kChunkBytes - 1) / kChunkBytes;
+  return static_cast<unsigned int>(num_chunks < kMaxBlocks ? num_chunks : kMaxBlocks);
 }
 
 }  // namespace
@@ -145,8 +175,7 @@ cudaError_t compact_cuda(void* dst, const void* src, int64_t elem_size, const in
   }
 
   const int64_t total_bytes = total * elem_size;
-  const int64_t num_chunks = (total_bytes + kChunkBytes - 1) / kChunkBytes;
-  const dim3 grid(static_cast<unsigned int>(num_chunks < kMaxBlocks ? num_chunks : kMaxBlocks));
+  const dim3 grid(compact_grid_size(total_bytes));
   const dim3 block(kThreads);
   char* d = static_cast<char*>(dst);
   const char* s = static_cast<const char*>(src);
