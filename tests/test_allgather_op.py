@@ -8,7 +8,9 @@ first time, cached on disk afterwards) happens once per session.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from impl.ops import (
     load_extension,
     shard_size,
 )
+from impl.ops._build import ENV_EXT_DIR, build_key, extension_dir
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8)
 HAS_CUDA = torch.cuda.is_available()
@@ -69,6 +72,33 @@ def grouped_layouts(draw: st.DrawFn) -> tuple[list[list[int]], list[int], torch.
     counts_list = [draw(st.lists(st.integers(0, 40), min_size=world, max_size=world)) for _ in range(tensors)]
     sizes = [max(c) + draw(st.sampled_from([0, 0, 2])) for c in counts_list]
     return counts_list, sizes, draw(st.sampled_from(DTYPES))
+
+
+# --------------------------------------------------------------------------------------------------
+# The build
+
+
+@pytest.mark.cpu
+def test_extension_loads_once_across_threads(native_ops: ExtensionInfo) -> None:
+    """D5: every caller, threads included (threaded worlds), gets the one loaded extension."""
+    with ThreadPoolExecutor(4) as pool:
+        infos = list(pool.map(lambda _: load_extension(), range(8)))
+    assert all(info is native_ops for info in infos)
+    if torch.version.cuda is None:
+        assert not native_ops.with_cuda  # a CPU build of torch never gets the CUDA sources
+    assert native_ops.build_dir.name == build_key(native_ops.with_cuda)
+
+
+@pytest.mark.cpu
+def test_extension_dir_is_keyed_and_overridable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """D5: the build cache is keyed by torch, CUDA and Python versions; DSTEST_EXT_DIR moves it."""
+    key = build_key(with_cuda=False)
+    assert key.startswith(f"torch-{torch.__version__}-cpu-")
+    assert key.endswith(f"-py{sys.version_info.major}{sys.version_info.minor}")
+    monkeypatch.setenv(ENV_EXT_DIR, str(tmp_path))
+    assert extension_dir(with_cuda=False) == tmp_path / key
+    monkeypatch.delenv(ENV_EXT_DIR)
+    assert extension_dir(with_cuda=False) == Path.home() / ".cache" / "dstest" / "ext" / key
 
 
 # --------------------------------------------------------------------------------------------------
