@@ -31,7 +31,8 @@ every bucket until the end of backward. Mean and sum follow :class:`~impl.zero.b
 is exchanged and no staging buffer exists (A8).
 
 Limits: every rank must use the same parameters in the same order (the collectives are issued from
-autograd hooks); a parameter used outside the forward of a module that owns it is not gathered.
+autograd hooks); a parameter used outside the forward of the module that owns it (or whose
+ParameterList / ParameterDict child holds it) is not gathered, and using it fails on its empty data.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ from impl.zero.partition import (
 )
 
 __all__ = ["RegistrationError", "Stage3"]
+
+
+_CONTAINERS = (torch.nn.ParameterList, torch.nn.ParameterDict)
 
 
 @dataclass(frozen=True)
@@ -128,9 +132,24 @@ class Stage3:
         self._register_hooks()
 
     # -- hooks ----------------------------------------------------------------------------------------
+    def _owned(self, module: torch.nn.Module) -> list[int]:
+        """The parameters a module's forward gathers: its own, and those of its ParameterList and
+        ParameterDict children (containers that are never called; their parent uses them)."""
+        params = list(module.parameters(recurse=False))
+        for child in module.children():
+            if isinstance(child, _CONTAINERS):
+                params.extend(p for q in self._owned_modules(child) for p in q.parameters(recurse=False))
+        return list(dict.fromkeys(self._index[id(p)] for p in params if id(p) in self._index))
+
+    @staticmethod
+    def _owned_modules(container: torch.nn.Module) -> list[torch.nn.Module]:
+        return [m for m in container.modules() if m is container or isinstance(m, _CONTAINERS)]
+
     def _register_hooks(self) -> None:
         for module in self.ctx.module.modules():
-            own = [self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index]
+            if isinstance(module, _CONTAINERS):
+                continue
+            own = self._owned(module)
             if not own:
                 continue
             self._handles.append(module.register_forward_pre_hook(self._pre_forward(own)))
