@@ -293,6 +293,38 @@ def test_eval_forward_gathers_and_releases() -> None:
     dstest.run(body, 2)
 
 
+class _Raises(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(5, 5)
+        self.fail = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lin(x)
+        if self.fail:
+            raise RuntimeError("boom")
+        return out
+
+
+def test_a_failing_forward_leaves_nothing_gathered() -> None:
+    def body(ctx: Any) -> None:
+        import impl
+
+        model = _Raises()
+        engine = impl.initialize(model=model, config=config(3, "mean"))
+        with pytest.raises(RuntimeError, match="boom"):
+            engine(torch.ones(2, 5))
+        assert engine.stage.gathered_parameters() == [] and engine.stage._saved_hooks == []
+        assert [tuple(p.ds_shape) for p in model.parameters()] == [(5, 5), (5,)]
+        assert [p.ds_numel for p in model.parameters()] == [25, 5]
+        model.fail = False
+        engine.backward(engine(torch.ones(2, 5)).sum())
+        engine.step()
+        assert engine.stage.gathered_parameters() == []
+
+    dstest.run(body, 2)
+
+
 def test_a8_single_rank_issues_nothing_and_holds_no_buffers() -> None:
     def body(ctx: Any) -> None:
         engine = _engine(ctx, 3)

@@ -8,7 +8,8 @@ Registration (the constructor), on every rank:
    tensor when the compute dtype is fp32), a flat fp32 gradient shard and the optimizer state, all ΣP;
 2. one all-gather of every rank's real shard sizes checks them against P for all parameters at once
    (D2, :func:`~impl.zero.partition.check_registration`);
-3. each parameter's ``.data`` becomes an empty tensor: between uses no rank holds a full parameter (D8).
+3. each parameter's ``.data`` becomes an empty tensor: between uses no rank holds a full parameter (D8);
+   ``param.ds_shape`` and ``param.ds_numel`` (DeepSpeed's names) keep its full size.
 
 Forward: a pre-hook on every module that owns parameters gathers them (:mod:`impl.zero.gather`): one
 parameter by one all-gather of uniform count P into a pooled padded buffer, the parameter being
@@ -120,7 +121,10 @@ class Stage3:
         # While autograd accumulates into a released parameter it needs the parameter's shape (not its
         # data): a one-element tensor expanded to that shape stands in for that moment only.
         self._shape_only = [torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape) for p in self.params]
-        for i in range(len(self.params)):
+        for i, (p, lay) in enumerate(zip(self.params, layouts, strict=True)):
+            # DeepSpeed's names for the full size of a released parameter, for code that needs it
+            p.ds_shape = torch.Size(lay.shape)  # type: ignore[attr-defined]
+            p.ds_numel = lay.numel  # type: ignore[attr-defined]
             self._set_released(i)
 
         self._users = [0] * len(self.params)
