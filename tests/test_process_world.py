@@ -285,6 +285,17 @@ def test_failure_after_collectives_keeps_the_pool():
     assert PROCESS.run(_draw_and_reduce, 2, args=(1.0,)) == ThreadedWorld().run(_draw_and_reduce, 2, args=(1.0,))
 
 
+def _destroys_the_world_group(ctx):
+    dist.destroy_process_group()
+    return ctx.rank
+
+
+def test_spec_that_destroys_the_world_group_gets_a_fresh_pool():
+    old = _old_pids()
+    assert PROCESS.run(_destroys_the_world_group, 2) == [0, 1]
+    _assert_replaced(old)
+
+
 # -- the plugin: xdist, and the GPU skip path -------------------------------------------------------------
 
 XDIST_SPECS = """

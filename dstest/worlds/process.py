@@ -152,6 +152,8 @@ def _worker_main(cfg: _WorkerConfig, conn: Connection) -> None:
         target=_watch_parent, args=(cfg.parent_pid, os.getppid()), name="dstest-parent-watch", daemon=True
     ).start()
     _name_process(f"dstest-r{cfg.rank}")
+    # Ctrl-C in a terminal reaches the whole process group; the parent handles it (and kills the pool).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     import datetime
 
@@ -662,6 +664,7 @@ class _Pool:
     ) -> list[Any]:
         """Run on every worker. On any failure that leaves the pool unusable, the pool is closed: the
         caller replaces it (``self.closed`` tells)."""
+        __tracebackhide__ = True  # pytest shows the ranks' tracebacks in the message, not this frame
         self.wait_ready()
         run_id = next(self.run_ids)
         try:
@@ -674,41 +677,12 @@ class _Pool:
                 f"{ref.qualname} do not pickle ({type(exc).__name__}: {exc})"
             ) from exc
         W = self.key.world_size
-        start = time.monotonic()
-        deadline = start + timeout
-        replies: dict[int, _Reply] = {}
-        dead: list[_Worker] = []
-        first_failure: float | None = None
         log_starts = {w.rank: _file_size(w.cfg.log_path) for w in self.workers}
-        for w in self.workers:
-            try:
-                w.conn.send_bytes(blob)
-            except (EOFError, OSError):
-                dead.append(w)
-        by_conn = {w.conn: w for w in self.workers}
-        while len(replies) < W and not dead:
-            limit = deadline if first_failure is None else min(deadline, first_failure + FAILURE_GRACE)
-            remaining = limit - time.monotonic()
-            if remaining <= 0:
-                break
-            pending = [w for w in self.workers if w.rank not in replies]
-            by_sentinel = {w.process.sentinel: w for w in pending}
-            ready = wait([*(w.conn for w in pending), *by_sentinel], remaining)
-            for obj in ready:
-                w = by_conn.get(obj)  # type: ignore[call-overload]
-                if w is None:
-                    continue  # a sentinel: handled below, after reading what the worker sent first
-                try:
-                    reply: _Reply = pickle.loads(w.conn.recv_bytes())
-                except (EOFError, OSError):
-                    continue
-                replies[w.rank] = reply
-                if not reply.ok and first_failure is None:
-                    first_failure = time.monotonic()
-            for obj in ready:
-                gone = by_sentinel.get(obj)
-                if gone is not None and gone.rank not in replies:
-                    dead.append(gone)
+        try:
+            replies, dead, first_failure = self._exchange(run_id, blob, timeout)
+        except BaseException:
+            self.kill()  # interrupted (Ctrl-C) mid-run: only a fresh pool is in a known state
+            raise
         for r in sorted(replies):
             _forward_output(r, replies[r].output)
 
@@ -768,6 +742,48 @@ class _Pool:
                 ) from exc
         self.last_used = time.monotonic()
         return results
+
+    def _exchange(
+        self, run_id: int, blob: bytes, timeout: float
+    ) -> tuple[dict[int, _Reply], list[_Worker], float | None]:
+        """Send the run to every worker and gather replies until all came, one died, the run timed out, or
+        the others had FAILURE_GRACE seconds after a failure."""
+        deadline = time.monotonic() + timeout
+        replies: dict[int, _Reply] = {}
+        dead: list[_Worker] = []
+        first_failure: float | None = None
+        for w in self.workers:
+            try:
+                w.conn.send_bytes(blob)
+            except (EOFError, OSError):
+                dead.append(w)
+        by_conn = {w.conn: w for w in self.workers}
+        while len(replies) < len(self.workers) and not dead:
+            limit = deadline if first_failure is None else min(deadline, first_failure + FAILURE_GRACE)
+            remaining = limit - time.monotonic()
+            if remaining <= 0:
+                break
+            pending = [w for w in self.workers if w.rank not in replies]
+            by_sentinel = {w.process.sentinel: w for w in pending}
+            ready = wait([*(w.conn for w in pending), *by_sentinel], remaining)
+            for obj in ready:
+                w = by_conn.get(obj)  # type: ignore[call-overload]
+                if w is None:
+                    continue  # a sentinel: handled below, after reading what the worker sent first
+                try:
+                    reply: _Reply = pickle.loads(w.conn.recv_bytes())
+                except (EOFError, OSError):
+                    continue
+                if reply.run_id != run_id:
+                    continue  # cannot happen while pools are killed on interruption; never mix runs up
+                replies[w.rank] = reply
+                if not reply.ok and first_failure is None:
+                    first_failure = time.monotonic()
+            for obj in ready:
+                gone = by_sentinel.get(obj)
+                if gone is not None and gone.rank not in replies:
+                    dead.append(gone)
+        return replies, dead, first_failure
 
     def _collect_quietly(self, replies: dict[int, _Reply]) -> dict[int, _Reply]:
         """Replies that other ranks had already sent when one died (for the report)."""
@@ -979,17 +995,26 @@ def shutdown_all() -> None:
 
 
 def _stop_fork_server() -> None:
-    """Stop the fork server the pools used, so that it is not orphaned when this process exits."""
+    """Stop the fork server the pools used, so that it is not orphaned when this process exits.
+
+    Killed rather than asked: asked, it finalizes torch on its way out, which takes seconds on a busy
+    machine (long enough for pytest-xdist to interrupt its worker's shutdown). It holds no state.
+    """
     global _CONTEXT
     if _CONTEXT is None or _CONTEXT.get_start_method() != "forkserver":
         return
+    _CONTEXT = None
     from multiprocessing import forkserver
 
-    stop = getattr(getattr(forkserver, "_forkserver", None), "_stop", None)  # CPython 3.8+; private
-    if stop is not None:
-        with contextlib.suppress(Exception):
-            stop()
-    _CONTEXT = None
+    server = getattr(forkserver, "_forkserver", None)  # CPython's singleton; private, hence the care
+    pid = getattr(server, "_forkserver_pid", None)
+    stop = getattr(server, "_stop", None)
+    if not isinstance(pid, int) or stop is None:
+        return
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        stop()  # closes its pipe, reaps it, removes its socket
 
 
 def pool_pids() -> dict[tuple[str, int], list[int]]:
@@ -1079,6 +1104,7 @@ class ProcessWorld:
             raise InvalidWorldSize(f"world_size={world_size!r} must be an int >= 1")
         if timeout <= 0:
             raise InvalidArgument(f"timeout={timeout!r} must be > 0 seconds")
+        __tracebackhide__ = True
         ref = _reference(fn)
         pool = _pool_for(_PoolKey(self.backend, self.device, world_size), self.name)
         with pool.lock:
