@@ -103,7 +103,7 @@ def test_c3_false_matches_true_bit_for_bit(ctx: Any, stage: int, op: str, dtype:
 _C4_CASES = [(0, True), (1, True), (1, False), (2, True), (2, False)]
 
 
-@pytest.mark.parametrize("poison", ["nan", "inf"])
+@pytest.mark.parametrize("poison", ["nan-loss", "inf-gain", "nan-gain"])
 @pytest.mark.parametrize("dtype", list(DTYPE_CONFIGS))
 @pytest.mark.parametrize("stage,compute_norm", _C4_CASES, ids=[f"stage{s}-norm{n}" for s, n in _C4_CASES])
 @dstest.spec(world_size=[1, 2, 3], contract="C4")
@@ -125,7 +125,11 @@ def test_c4_overflow_on_one_rank_skips_step_everywhere(
     x, y = batch(ctx.seed, ctx.rank, 1, device=ctx.device)
     loss = mse(engine(x.to(in_dtype)), y)
     if ctx.rank == bad_rank:
-        loss = loss * float(poison)
+        value, where = poison.split("-")
+        if where == "loss":  # every gradient element of this rank
+            loss = loss * float(value)
+        else:  # one element (SpecNet.gain): after a reduce-scatter only its owner sees it
+            loss = loss + (engine.module.gain.float() * float(value)).sum()
     engine.backward(loss)
     engine.step()
     after = engine.full_parameters()

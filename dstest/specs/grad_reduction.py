@@ -69,14 +69,20 @@ def test_b1_reduce_op_values(ctx: Any, value: Any) -> None:
     assert "mean" in msg and "sum" in msg, f"the message must list the allowed values: {msg}"
 
 
+@pytest.mark.parametrize("value", [None, "MEAN", "Sum"], ids=["default", "MEAN", "Sum"])
 @dstest.spec(world_size=[1, 2, 3], contract="B1")
-def test_b1_default_is_mean(ctx: Any) -> None:
+def test_b1_default_mean_and_case_insensitive_behaviour(ctx: Any, value: str | None) -> None:
+    """Not only accepted: the default trains as "mean", and "MEAN"/"Sum" train as "mean"/"sum"."""
     require(ctx.target, "stage0")
     cfg = config(0)
-    del cfg["gradient_allreduce_op"]
+    if value is None:
+        del cfg["gradient_allreduce_op"]
+    else:
+        cfg["gradient_allreduce_op"] = value
     engine = ctx.target.initialize(build(device=ctx.device), cfg)
     _, grads = train_step(ctx, engine, 0)
-    assert_close_rel(grads, _reference(ctx, "mean"), 1e-6, "default reduce op")
+    op = "mean" if value is None else value.lower()
+    assert_close_rel(grads, _reference(ctx, op), 1e-6, f"gradient_allreduce_op={value!r}")
 
 
 @pytest.mark.parametrize("stage,path", _PATH_CASES, ids=[f"stage{s}-{p}" for s, p in _PATH_CASES])
