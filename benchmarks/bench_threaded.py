@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _torch_threaded import run_torch_threaded  # noqa: E402
+from _torch_threaded import run_torch_threaded
 
-from dstest.worlds.fake import FakeWorld  # noqa: E402
-from dstest.worlds.threaded import ThreadedWorld  # noqa: E402
+from dstest.worlds.fake import FakeWorld
+from dstest.worlds.threaded import ThreadedWorld
 
 WORLD = ThreadedWorld()
 BW_WORLD_SIZE = 4

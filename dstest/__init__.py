@@ -53,18 +53,41 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from dstest.context import RankContext
+    from dstest.context import RankContext as RankContext
     from dstest.errors import (
-        CollectiveMismatch,
-        Deviation,
-        DstestError,
-        InvalidArgument,
-        InvalidWorldSize,
-        RankFailure,
-        WorkerDied,
-        WorldTimeout,
+        CollectiveMismatch as CollectiveMismatch,
     )
-    from dstest.groups import TOPOLOGIES, GroupBuilder
-    from dstest.shards import ShardLayout, padded, uneven
-    from dstest.specification import Case, Settings, run, spec
-    from dstest.worlds import DEFAULT_WORLDS, WORLD_NAMES, World, get_world
+    from dstest.errors import (
+        Deviation as Deviation,
+    )
+    from dstest.errors import (
+        DstestError as DstestError,
+    )
+    from dstest.errors import (
+        InvalidArgument as InvalidArgument,
+    )
+    from dstest.errors import (
+        InvalidWorldSize as InvalidWorldSize,
+    )
+    from dstest.errors import (
+        RankFailure as RankFailure,
+    )
+    from dstest.errors import (
+        WorkerDied as WorkerDied,
+    )
+    from dstest.errors import (
+        WorldTimeout as WorldTimeout,
+    )
+    from dstest.groups import TOPOLOGIES as TOPOLOGIES
+    from dstest.groups import GroupBuilder as GroupBuilder
+    from dstest.shards import ShardLayout as ShardLayout
+    from dstest.shards import padded as padded
+    from dstest.shards import uneven as uneven
+    from dstest.specification import Case as Case
+    from dstest.specification import Settings as Settings
+    from dstest.specification import run as run
+    from dstest.specification import spec as spec
+    from dstest.worlds import DEFAULT_WORLDS as DEFAULT_WORLDS
+    from dstest.worlds import WORLD_NAMES as WORLD_NAMES
+    from dstest.worlds import World as World
+    from dstest.worlds import get_world as get_world

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["main", "discover", "Result"]
+__all__ = ["Result", "discover", "main"]
 
 
 @dataclass

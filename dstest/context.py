@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from dstest.groups import GroupBuilder
     from dstest.targets.base import Target
 
-__all__ = ["RankContext", "rank_seed", "current_context"]
+__all__ = ["RankContext", "current_context", "rank_seed"]
 
 
 def rank_seed(seed: int, rank: int) -> int:

@@ -8,15 +8,15 @@ that user code with a broad ``except Exception`` cannot swallow it.
 from __future__ import annotations
 
 __all__ = [
+    "CollectiveMismatch",
+    "Deviation",
     "DstestError",
     "InvalidArgument",
     "InvalidWorldSize",
-    "CollectiveMismatch",
     "RankFailure",
-    "WorldTimeout",
-    "WorldAborted",
     "WorkerDied",
-    "Deviation",
+    "WorldAborted",
+    "WorldTimeout",
 ]
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-__all__ = ["dstest_settings", "dstest_run", "dstest_world", "dstest_topologies", "dstest_shards"]
+__all__ = ["dstest_run", "dstest_settings", "dstest_shards", "dstest_topologies", "dstest_world"]
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from typing import Any
 
 from dstest.errors import InvalidArgument
 
-__all__ = ["GroupBuilder", "TOPOLOGIES", "topologies_for"]
+__all__ = ["TOPOLOGIES", "GroupBuilder", "topologies_for"]
 
 #: The four cases every optional-group call site must handle (SPEC A1-A4).
 TOPOLOGIES = ("absent", "single", "non_member", "multi")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from dstest.errors import InvalidArgument
 
-__all__ = ["Op", "Program", "KINDS", "GLOO_KINDS", "execute", "reference", "op_inputs"]
+__all__ = ["GLOO_KINDS", "KINDS", "Op", "Program", "execute", "op_inputs", "reference"]
 
 #: Every kind of op a program can hold (SPEC E1).
 KINDS = (

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from dstest.errors import InvalidArgument, RankFailure
 
-__all__ = ["spec", "SpecInfo", "Case", "Settings", "run", "run_spec", "spec_info", "CASE_ARG", "SETTINGS_ARG"]
+__all__ = ["CASE_ARG", "SETTINGS_ARG", "Case", "Settings", "SpecInfo", "run", "run_spec", "spec", "spec_info"]
 
 CASE_ARG = "dstest_case"
 SETTINGS_ARG = "dstest_settings"

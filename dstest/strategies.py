@@ -21,14 +21,14 @@ from dstest.programs import KINDS, REDUCE_OPS, Op, Program
 from dstest.shards import ShardLayout, padded, uneven
 
 __all__ = [
-    "world_sizes",
-    "topologies",
-    "subgroups",
+    "awkward_numels",
+    "padded_layouts",
+    "programs",
     "shard_counts",
     "shard_layouts",
-    "padded_layouts",
-    "awkward_numels",
-    "programs",
+    "subgroups",
+    "topologies",
+    "world_sizes",
 ]
 
 

@@ -14,9 +14,8 @@ from hypothesis import strategies as st
 from torch.distributed import distributed_c10d as c10d
 
 from dstest import strategies as dst
-from dstest.programs import KINDS
 from dstest.errors import CollectiveMismatch, InvalidArgument, RankFailure, WorldTimeout
-from dstest.programs import Program, execute
+from dstest.programs import KINDS, Program, execute
 from dstest.worlds import _compat
 from dstest.worlds.threaded import ThreadedWorld
 

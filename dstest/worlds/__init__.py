@@ -16,7 +16,7 @@ import importlib
 from dstest.errors import InvalidArgument
 from dstest.worlds.protocol import World
 
-__all__ = ["World", "WORLD_NAMES", "WORLD_MARKERS", "DEFAULT_WORLDS", "get_world"]
+__all__ = ["DEFAULT_WORLDS", "WORLD_MARKERS", "WORLD_NAMES", "World", "get_world"]
 
 # name -> (module, factory attribute, keyword arguments)
 _FACTORIES: dict[str, tuple[str, str, dict[str, str]]] = {

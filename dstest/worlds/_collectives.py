@@ -21,7 +21,7 @@ import torch
 
 from dstest.errors import CollectiveMismatch, InvalidArgument
 
-__all__ = ["Call", "CALLS", "reduce_tensors", "describe_tensor"]
+__all__ = ["CALLS", "Call", "describe_tensor", "reduce_tensors"]
 
 
 def describe_tensor(t: torch.Tensor) -> str:

@@ -17,11 +17,11 @@ from torch.distributed import distributed_c10d as c10d
 
 __all__ = [
     "TORCH_VERSION",
-    "thread_local_c10d_world",
     "completed_work",
-    "work_from_future",
-    "reduce_op_name",
     "group_name_of",
+    "reduce_op_name",
+    "thread_local_c10d_world",
+    "work_from_future",
 ]
 
 TORCH_VERSION = torch.__version__

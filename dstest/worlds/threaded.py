@@ -33,7 +33,7 @@ from dstest.errors import (
 from dstest.worlds import _collectives as C
 from dstest.worlds import _compat
 
-__all__ = ["ThreadedWorld", "BACKEND_NAME"]
+__all__ = ["BACKEND_NAME", "ThreadedWorld"]
 
 BACKEND_NAME = "dstest"
 _THREAD_PREFIX = "dstest-rank"
