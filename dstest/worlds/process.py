@@ -4,7 +4,7 @@ For code with process-global state (DeepSpeed caches its groups in module global
 host. A *pool* of worker processes per (backend, device, world size) has already imported torch and formed
 its process group, so a spec costs milliseconds instead of the seconds of a fresh spawn:
 
-    parent                                      worker r (one per rank, spawned once per pool)
+    parent                                      worker r (one per rank, started once per pool)
     run(fn, W) --- pickled (reference to fn, args) ---> resolve fn by module + qualname (+ file path)
                                                         fn(RankContext(rank=r, ...)) under a fresh store prefix
                <-- pickled result | traceback, output -- destroy the groups fn created
@@ -20,8 +20,10 @@ Rendezvous goes through a ``FileStore`` in a private temporary directory (no fix
 works). No worker outlives the session: :func:`shutdown_all` runs from the plugin's ``pytest_unconfigure``
 and at interpreter exit, and an idle worker whose parent is gone exits by itself.
 
-This module imports neither torch nor the target at import time: a worker sets its environment
-(``RANK``, ``OMP_NUM_THREADS``, ...) before torch is imported.
+Workers are forked from multiprocessing's fork server, which imports torch once (see ``_mp_context``):
+a pool of 8 starts in well under a second once that server runs, and a replaced pool costs little. Where
+there is no fork server, workers are spawned. This module imports neither torch nor the target at import
+time; a worker sets its environment (``RANK``, ``OMP_NUM_THREADS``, ...) before it touches torch.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from dstest.errors import InvalidArgument, InvalidWorldSize, RankFailure, Worker
 
 __all__ = ["FAILURE_GRACE", "POOL_START_TIMEOUT", "ProcessWorld", "pool_pids", "shutdown_all"]
 
-#: Seconds a pool may take to spawn, import torch and form its group (many ranks on few cores are slow).
+#: Seconds a pool may take to start and form its group (a cold fork server imports torch first).
 POOL_START_TIMEOUT = 180.0
 #: After one rank fails, seconds the others get to finish before the pool counts as poisoned (they are
 #: probably blocked in a collective that the failed rank will never join) and is replaced.
@@ -1120,7 +1122,7 @@ class ProcessWorld:
             _pool_for(_PoolKey(self.backend, self.device, ws), self.name)
 
     def warm(self, world_size: int) -> float:
-        """Start (if needed) and wait for the pool of ``world_size`` ranks; returns its spawn-to-ready seconds."""
+        """Start (if needed) and wait for the pool of ``world_size`` ranks; returns its launch-to-ready seconds."""
         pool = _pool_for(_PoolKey(self.backend, self.device, world_size), self.name)
         with pool.lock:
             try:
