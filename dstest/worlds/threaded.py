@@ -9,6 +9,7 @@ of hanging. All rendezvous state lives on one ``_Session`` per run; nothing outl
 from __future__ import annotations
 
 import ctypes
+import gc
 import sys
 import threading
 import time
@@ -676,7 +677,16 @@ class ThreadedWorld:
 
 
 def _stacks(threads: list[threading.Thread]) -> dict[int, str]:
-    frames = sys._current_frames()
+    # CPython 3.11 (gh-106883): a garbage collection triggered inside sys._current_frames() while it holds
+    # the runtime's thread-list lock can finalize a threading.local, which takes that lock again: the
+    # process hangs. Keep the collector off for the call.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        frames = sys._current_frames()
+    finally:
+        if enabled:
+            gc.enable()
     out = {}
     for rank, t in enumerate(threads):
         frame = frames.get(t.ident) if t.ident is not None else None
