@@ -23,6 +23,7 @@ _MARKERS = {
 }
 
 _settings_key = pytest.StashKey[Any]()
+_owns_pools_key = pytest.StashKey[bool]()
 
 
 def _parse_worlds(value: str) -> tuple[str, ...]:
@@ -83,6 +84,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    import sys
+
+    # A session nested in another (pytester's in-process runs) must not stop the outer session's pools.
+    config.stash[_owns_pools_key] = "dstest.worlds.process" not in sys.modules
     for name, text in _MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     from dstest import fixtures
@@ -135,6 +140,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     """No worker process outlives the test session (E4): stop the process world's pools if it was used."""
     import sys
 
+    if not config.stash.get(_owns_pools_key, True):
+        return  # the outer session stops them; the atexit handler covers everything else
     process_world = sys.modules.get("dstest.worlds.process")
     shutdown = getattr(process_world, "shutdown_all", None)
     if shutdown is not None:
