@@ -24,6 +24,9 @@ _MARKERS = {
 
 _settings_key = pytest.StashKey[Any]()
 _owns_pools_key = pytest.StashKey[bool]()
+# Sessions configured in this process and not yet unconfigured: pytester's in-process runs nest a session
+# inside the outer one, and only the outermost may stop the worlds' pools and crews.
+_active_sessions: list[pytest.Config] = []
 
 
 def _parse_worlds(value: str) -> tuple[str, ...]:
@@ -84,10 +87,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    import sys
-
-    # A session nested in another (pytester's in-process runs) must not stop the outer session's pools.
-    config.stash[_owns_pools_key] = "dstest.worlds.process" not in sys.modules
+    config.stash[_owns_pools_key] = not _active_sessions
+    _active_sessions.append(config)
     for name, text in _MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     from dstest import fixtures
@@ -137,12 +138,14 @@ def settings(config: pytest.Config) -> Any:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """No worker process outlives the test session (E4): stop the process world's pools if it was used."""
+    """No worker process or warm rank thread outlives the test session (E4)."""
     import sys
 
+    if config in _active_sessions:
+        _active_sessions.remove(config)
     if not config.stash.get(_owns_pools_key, True):
-        return  # the outer session stops them; the atexit handler covers everything else
-    process_world = sys.modules.get("dstest.worlds.process")
-    shutdown = getattr(process_world, "shutdown_all", None)
-    if shutdown is not None:
-        shutdown()
+        return  # the outer session stops them; the atexit handlers cover everything else
+    for module in ("dstest.worlds.process", "dstest.worlds.threaded"):
+        shutdown = getattr(sys.modules.get(module), "shutdown_all", None)
+        if shutdown is not None:
+            shutdown()

@@ -81,6 +81,7 @@ def test_200_failing_worlds_leak_nothing():
     """E3/E4: 200 failing worlds in a row (5 fault kinds, then hangs): no thread, group or switch left."""
     original = c10d._world
     hook = sys.excepthook
+    installs = _compat._INSTALL.users  # warm crews of other tests may hold the thread-local world
     outcomes: dict[str, int] = {}
     for i in range(200):
         kind = FAULTS[i % len(FAULTS)]
@@ -91,7 +92,7 @@ def test_200_failing_worlds_leak_nothing():
         with pytest.raises(WorldTimeout):
             WORLD.run(_fault, 3, args=("hang",), timeout=0.3)
     assert sum(outcomes.values()) == 200
-    assert [t.name for t in threading.enumerate() if t.name.startswith("dstest-")] == []
+    assert [t.name for t in threading.enumerate() if t.name.startswith(("dstest-rank", "dstest-fake"))] == []
     assert c10d._world is original and sys.excepthook is hook
-    assert _compat._INSTALL.users == 0
+    assert _compat._INSTALL.users == installs
     assert not dist.is_initialized()

@@ -272,3 +272,56 @@ def test_fake_world_answers_for_65536_ranks():
 def test_bad_world_size_is_a_clear_error():
     with pytest.raises(dstest.InvalidWorldSize, match="world_size=0 must be an int >= 1"):
         WORLD.run(lambda ctx: None, 0)
+
+
+# -- warm crews: kept between successful runs, retired by failures, stopped at the end -------------------
+def _warm_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("dstest-warm-rank")]
+
+
+def test_warm_world_reuses_threads_and_resets_rank_state():
+    """Subgroups and grad mode a run leaves behind do not reach the next run on the same threads."""
+    from dstest.worlds.threaded import c10d_state
+
+    warm = ThreadedWorld(warm=True)
+
+    def first(ctx):
+        dist.new_group([0])
+        torch.set_grad_enabled(False)
+        return threading.current_thread()
+
+    def second(ctx):
+        return threading.current_thread(), len(c10d_state().pg_map), torch.is_grad_enabled()
+
+    threads = warm.run(first, 3)
+    again = warm.run(second, 3)
+    assert all(a[0] is t for a, t in zip(again, threads))
+    assert all(a[1:] == (1, True) for a in again)
+
+
+def test_warm_world_retires_its_crew_on_failure_and_shutdown_stops_the_rest():
+    from dstest.worlds.threaded import shutdown_all
+
+    warm = ThreadedWorld(warm=True)
+    before = warm.run(lambda ctx: threading.current_thread(), 2)
+
+    def fails(ctx):
+        if ctx.rank == 0:
+            raise RuntimeError("boom")
+        dist.barrier()
+
+    with pytest.raises(RankFailure):
+        warm.run(fails, 2)
+    after = warm.run(lambda ctx: threading.current_thread(), 2)
+    assert not any(a is b for a in after for b in before)
+    assert not any(t.is_alive() for t in before)
+
+    def unmatched_isend(ctx):
+        if ctx.rank == 0:
+            dist.isend(torch.ones(1), dst=1)  # never received, never waited
+
+    warm.run(unmatched_isend, 2)
+    assert not any(t.is_alive() for t in after)
+    shutdown_all()
+    assert _warm_threads() == []
+    assert c10d._world.__class__.__name__ == "_World"

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from dstest.errors import InvalidArgument
 from dstest.worlds.protocol import World
@@ -19,9 +20,9 @@ from dstest.worlds.protocol import World
 __all__ = ["DEFAULT_WORLDS", "WORLD_MARKERS", "WORLD_NAMES", "World", "get_world"]
 
 # name -> (module, factory attribute, keyword arguments)
-_FACTORIES: dict[str, tuple[str, str, dict[str, str]]] = {
-    "threaded": ("dstest.worlds.threaded", "ThreadedWorld", {}),
-    "threaded-cuda": ("dstest.worlds.threaded", "ThreadedWorld", {"device": "cuda"}),
+_FACTORIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "threaded": ("dstest.worlds.threaded", "ThreadedWorld", {"warm": True}),
+    "threaded-cuda": ("dstest.worlds.threaded", "ThreadedWorld", {"device": "cuda", "warm": True}),
     "fake": ("dstest.worlds.fake", "FakeWorld", {}),
     "process": ("dstest.worlds.process", "ProcessWorld", {}),
     "nccl": ("dstest.worlds.nccl", "NcclWorld", {}),

@@ -112,9 +112,6 @@ def thread_local_c10d_world() -> Iterator[_ThreadLocalWorld]:
     with _INSTALL.lock:
         if _INSTALL.users == 0:
             _INSTALL.saved["world"] = c10d._world
-            # init_process_group wraps sys.excepthook to prefix "[rankN]" (torch 2.13), once per call and
-            # process-wide: N rank threads would stack N prefixes, run after run.
-            _INSTALL.saved["excepthook"] = sys.excepthook
             _INSTALL.world = _ThreadLocalWorld(c10d._world)
             c10d._world = _INSTALL.world  # type: ignore[assignment]
             isolation = getattr(torch._C._distributed_c10d, "_set_thread_isolation_mode", None)
@@ -137,9 +134,26 @@ def thread_local_c10d_world() -> Iterator[_ThreadLocalWorld]:
                 if isolation is not None:
                     isolation(False)
                 c10d._world = _INSTALL.saved["world"]
-                sys.excepthook = _INSTALL.saved["excepthook"]
                 _INSTALL.world = None
                 _INSTALL.saved.clear()
+
+
+_INIT_LOCK = threading.Lock()
+
+
+def init_rank_process_group(**kwargs: Any) -> None:
+    """``dist.init_process_group`` for one rank thread, leaving ``sys.excepthook`` as it was.
+
+    torch 2.13's init_process_group wraps the process-wide sys.excepthook to prefix "[rankN]", once per
+    call: N rank threads would stack N prefixes, run after run. Inits are serialised (they exchange
+    nothing, so no rank waits for another) so that each one's wrap is undone exactly.
+    """
+    with _INIT_LOCK:
+        hook = sys.excepthook
+        try:
+            dist.init_process_group(**kwargs)
+        finally:
+            sys.excepthook = hook
 
 
 def work_from_future(fut: torch.futures.Future[Any]) -> dist.Work:

@@ -101,8 +101,8 @@ class FakeWorld:
                     )
                     token = ctx.bind()
                     try:
-                        dist.init_process_group(
-                            BACKEND_NAME, rank=rank, world_size=world_size, store=session.store,
+                        _compat.init_rank_process_group(
+                            backend=BACKEND_NAME, rank=rank, world_size=world_size, store=session.store,
                             timeout=timedelta(seconds=timeout),
                         )
                         box["result"] = fn(ctx, *args, **(kwargs or {}))

@@ -8,8 +8,11 @@ of hanging. All rendezvous state lives on one ``_Session`` per run; nothing outl
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import gc
+import queue
 import sys
 import threading
 import time
@@ -38,6 +41,7 @@ __all__ = ["BACKEND_NAME", "ThreadedWorld"]
 
 BACKEND_NAME = "dstest"
 _THREAD_PREFIX = "dstest-rank"
+_WARM_PREFIX = "dstest-warm-rank"
 _binding = threading.local()  # .session and .rank of the rank running on this thread
 _register_lock = threading.Lock()
 
@@ -182,6 +186,18 @@ class _Session:
         self.done: set[int] = set()
         self.aborted: BaseException | None = None
         self.open_groups = 0
+
+    def reset(self) -> None:
+        """Start a new run on a warm session (called while no rank is inside a run)."""
+        with self.lock:
+            self.done.clear()
+            self.pending.clear()
+            self.aborted = None
+
+    def leftovers(self) -> bool:
+        """Whether a run left a collective or a transfer half done (then the session cannot be reused)."""
+        with self.lock:
+            return bool(self.exchanges) or any(s or r for s, r in self.p2p.values())
 
     # -- collectives ---------------------------------------------------------------------------------
     def arrive(self, group: _Group, call: C.Call) -> _CollectiveWait:
@@ -461,9 +477,7 @@ class _Group(dist.ProcessGroup):  # type: ignore[misc]
         input_split_sizes: list[int],
         opts: Any = None,
     ) -> _Work:
-        return self._post(
-            C.AllToAllSingle(self.rank_, self.size_, output, inp, output_split_sizes, input_split_sizes)
-        )
+        return self._post(C.AllToAllSingle(self.rank_, self.size_, output, inp, output_split_sizes, input_split_sizes))
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> _Work:
         t = C._one(inputs, "gather")
@@ -496,9 +510,7 @@ class _Group(dist.ProcessGroup):  # type: ignore[misc]
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
     ) -> _Work:
-        return self._coalesced(
-            [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)], outputs
-        )
+        return self._coalesced([self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -542,6 +554,247 @@ def _async_raise(thread: threading.Thread, exc: type[BaseException]) -> None:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(exc))
 
 
+def _call_rank(
+    session: _Session,
+    rank: int,
+    fn: Callable[..., Any],
+    ctx: RankContext,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    outcome: _Outcome,
+) -> None:
+    """Run the spec body on one rank, recording its result or failure; a failure aborts the world."""
+    token = ctx.bind()
+    try:
+        outcome.results[rank] = fn(ctx, *args, **kwargs)
+    except BaseException as exc:  # every rank's outcome is reported, so catch all
+        outcome.fail(rank, exc)
+        if not isinstance(exc, WorldAborted):
+            session.abort(exc)
+    finally:
+        RankContext.unbind(token)
+        session.rank_done(rank)
+
+
+class _Outcome:
+    """Per-run results and failures of every rank."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.results: list[Any] = [None] * world_size
+        self.failures: dict[int, BaseException] = {}
+        self.tracebacks: dict[int, str] = {}
+
+    def fail(self, rank: int, exc: BaseException) -> None:
+        self.failures[rank] = exc
+        self.tracebacks[rank] = "".join(traceback.format_exception(exc))
+
+    def raise_failures(self) -> None:
+        failures, tracebacks = self.failures, self.tracebacks
+        if not failures:
+            return
+        primary = {r: e for r, e in failures.items() if not isinstance(e, WorldAborted)}
+        shown = primary or failures
+        head = "; ".join(f"rank {r}: {type(e).__name__}: {e}".splitlines()[0] for r, e in sorted(shown.items()))
+        body = "\n".join(f"---- rank {r} ----\n{tracebacks[r]}" for r in sorted(shown))
+        aborted = sorted(set(failures) - set(primary))
+        tail = f"\nranks {aborted} were aborted because of the failure above" if aborted and primary else ""
+        raise RankFailure(
+            f"{len(shown)} of {self.world_size} ranks failed: {head}\n{body}{tail}",
+            {r: tracebacks[r] for r in sorted(failures)},
+            {r: failures[r] for r in sorted(failures)},
+        )
+
+
+def _timeout_error(threads: list[threading.Thread], world_size: int, timeout: float, hung: list[int]) -> WorldTimeout:
+    stacks = _stacks(threads)
+    return WorldTimeout(
+        f"world of {world_size} ranks ran past its timeout of {timeout:g} s; "
+        f"ranks still running: {hung}\n" + _format_stacks(stacks),
+        stacks,
+    )
+
+
+def _reap(threads: list[threading.Thread], grace: float) -> list[str]:
+    """After an abort: give woken ranks ``grace`` seconds, then interrupt ranks stuck in Python code.
+
+    Returns the names of threads that could not be stopped (stuck in C code).
+    """
+    end = time.monotonic() + grace
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    for _ in range(50):
+        alive = [t for t in threads if t.is_alive()]
+        if not alive:
+            break
+        for t in alive:
+            _async_raise(t, WorldAborted)
+        for t in alive:
+            t.join(0.1)
+    return [t.name for t in threads if t.is_alive()]
+
+
+class _WarmCrew:
+    """Rank threads with their default process group already formed, serving one run after another.
+
+    A run that succeeds leaves the crew ready (groups it created destroyed, grad mode restored); a run
+    that fails, times out or leaves a transfer unmatched retires the crew, so nothing of it survives.
+    """
+
+    def __init__(self, world_size: int, device: torch.device) -> None:
+        self.world_size = world_size
+        self.device = device
+        self.session = _Session(world_size)
+        self.busy = threading.Lock()
+        self._install = _compat.thread_local_c10d_world()
+        self._c10d = self._install.__enter__()
+        self._tasks: list[queue.SimpleQueue[Callable[[int], None] | None]] = [
+            queue.SimpleQueue() for _ in range(world_size)
+        ]
+        self._finished: queue.SimpleQueue[tuple[int, BaseException | None]] = queue.SimpleQueue()
+        self.threads = [
+            threading.Thread(target=self._main, args=(r,), name=f"{_WARM_PREFIX}{r}", daemon=True)
+            for r in range(world_size)
+        ]
+        for t in self.threads:
+            t.start()
+        errors = [exc for _, exc in (self._finished.get() for _ in range(world_size)) if exc is not None]
+        if errors:
+            self.close()
+            raise errors[0]
+
+    def _main(self, rank: int) -> None:
+        self._c10d.bind()
+        _binding.session, _binding.rank = self.session, rank
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device.index or 0)
+            _compat.init_rank_process_group(
+                backend=BACKEND_NAME,
+                rank=rank,
+                world_size=self.world_size,
+                store=self.session.store,
+                timeout=timedelta(days=1),
+            )
+            self._finished.put((rank, None))
+            while (task := self._tasks[rank].get()) is not None:
+                task(rank)
+                self._reset_rank()
+                self._finished.put((rank, None))
+        except BaseException as exc:
+            self._finished.put((rank, exc))
+        finally:
+            try:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            finally:
+                _binding.__dict__.clear()
+                self._c10d.unbind()
+
+    def _reset_rank(self) -> None:
+        """Undo what a run leaves on its rank thread: subgroups, grad mode."""
+        state = c10d_state()
+        for pg in [pg for pg in list(state.pg_map) if pg is not state.default_pg]:
+            # Our groups are Python ProcessGroups whose C++ name torch 2.13 never sets, so
+            # dist.destroy_process_group(pg) fails on pg.group_name; the state is ours, drop it here.
+            name = state.pg_names.get(pg)
+            for table in (state.pg_map, state.pg_names, state.pg_group_ranks, state.pg_backend_config, state.pg_to_tag):
+                table.pop(pg, None)
+            for pgs in state.tags_to_pg.values():
+                while pg in pgs:
+                    pgs.remove(pg)
+            if name is not None:
+                with contextlib.suppress(RuntimeError, KeyError):
+                    torch._C._distributed_c10d._unregister_process_group(name)
+        torch.set_grad_enabled(True)
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        timeout: float,
+        make_ctx: Callable[[int], RankContext],
+    ) -> list[Any]:
+        session = self.session
+        session.reset()
+        outcome = _Outcome(self.world_size)
+
+        def task(rank: int) -> None:
+            _call_rank(session, rank, fn, make_ctx(rank), args, kwargs, outcome)
+
+        for q in self._tasks:
+            q.put(task)
+        deadline = time.monotonic() + timeout
+        pending = set(range(self.world_size))
+        while pending:
+            try:
+                rank, exc = self._finished.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                err = _timeout_error(self.threads, self.world_size, timeout, sorted(pending))
+                session.abort(err)
+                self.close()
+                raise err from None
+            pending.discard(rank)
+            if exc is not None:  # the rank's loop itself broke: retire the crew
+                outcome.fail(rank, exc)
+        if outcome.failures or session.leftovers():
+            self.close()
+        outcome.raise_failures()
+        return outcome.results
+
+    def close(self, grace: float = 2.0) -> None:
+        for q in self._tasks:
+            q.put(None)
+        _reap(self.threads, grace)
+        self._install.__exit__(None, None, None)
+
+
+class _Crews:
+    """The warm crews of this process, one per (device, world size); stopped by :func:`shutdown_all`."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.crews: dict[tuple[str, int], _WarmCrew] = {}
+
+    def checkout(self, device: torch.device, world_size: int) -> _WarmCrew | None:
+        """A crew that is free for one run (its ``busy`` lock held), or None when it is in use."""
+        key = (str(device), world_size)
+        with self.lock:
+            crew = self.crews.get(key)
+            if crew is None or not crew.threads[0].is_alive():
+                crew = self.crews[key] = _WarmCrew(world_size, device)
+        return crew if crew.busy.acquire(blocking=False) else None
+
+    def retire(self, crew: _WarmCrew) -> None:
+        with self.lock:
+            for key, known in list(self.crews.items()):
+                if known is crew:
+                    del self.crews[key]
+
+    def shutdown(self) -> None:
+        with self.lock:
+            crews, self.crews = list(self.crews.values()), {}
+        for crew in crews:
+            crew.close()
+
+
+_CREWS = _Crews()
+
+
+def shutdown_all() -> None:
+    """Stop every warm crew of this process (the plugin calls this when the test session ends)."""
+    _CREWS.shutdown()
+
+
+atexit.register(shutdown_all)
+
+
+def c10d_state() -> Any:
+    """This rank thread's own c10d state (the thread-local world)."""
+    return dist.distributed_c10d._world
+
+
 class ThreadedWorld:
     """Runs a function on every rank, as threads, with a real c10d process group per rank.
 
@@ -549,13 +802,18 @@ class ThreadedWorld:
     (``dist.get_rank() == ctx.rank``); ``run`` returns the per-rank results in rank order, or raises one
     :class:`RankFailure` carrying every failing rank's traceback, or :class:`WorldTimeout` with every
     rank's stack. ``device="cuda"`` runs the same ranks with CUDA tensors (``ctx.device``).
+
+    ``warm=True`` keeps the rank threads and their default group between runs (a run costs a rendezvous,
+    not a world's start-up); a failing run retires them, and :func:`shutdown_all` stops the rest.
+    With ``warm=False`` every run starts and ends its own threads.
     """
 
     name = "threaded"
 
-    def __init__(self, device: str = "cpu", *, grace: float = 2.0) -> None:
+    def __init__(self, device: str = "cpu", *, grace: float = 2.0, warm: bool = False) -> None:
         self.device = device
         self.grace = grace
+        self.warm = warm
 
     @property
     def marker(self) -> str:
@@ -582,44 +840,60 @@ class ThreadedWorld:
         if timeout <= 0:
             raise InvalidArgument(f"timeout={timeout!r} must be > 0 seconds")
         _register_backend()
-        session = _Session(world_size)
-        results: list[Any] = [None] * world_size
-        failures: dict[int, BaseException] = {}
-        tracebacks: dict[int, str] = {}
         device = torch.device(self.device)
 
+        def make_ctx(rank: int) -> RankContext:
+            return RankContext(
+                rank=rank, world_size=world_size, world=self.name, device=device, seed=seed, target_name=target
+            )
+
+        crew = _CREWS.checkout(device, world_size) if self.warm else None
+        if crew is not None:
+            try:
+                return crew.run(fn, args, kwargs or {}, timeout, make_ctx)
+            finally:
+                crew.busy.release()
+                if not crew.threads[0].is_alive() or crew.session.aborted is not None:
+                    _CREWS.retire(crew)
+        return self._run_cold(fn, world_size, args, kwargs or {}, timeout, make_ctx, device)
+
+    def _run_cold(
+        self,
+        fn: Callable[..., Any],
+        world_size: int,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        timeout: float,
+        make_ctx: Callable[[int], RankContext],
+        device: torch.device,
+    ) -> list[Any]:
+        session = _Session(world_size)
+        outcome = _Outcome(world_size)
         with _compat.thread_local_c10d_world() as c10d_world:
 
             def rank_main(rank: int) -> None:
                 c10d_world.bind()
                 _binding.session, _binding.rank = session, rank
-                ctx = RankContext(
-                    rank=rank, world_size=world_size, world=self.name, device=device, seed=seed, target_name=target
-                )
-                token = ctx.bind()
                 try:
                     if device.type == "cuda":
                         torch.cuda.set_device(device.index or 0)
-                    dist.init_process_group(
-                        BACKEND_NAME,
+                    _compat.init_rank_process_group(
+                        backend=BACKEND_NAME,
                         rank=rank,
                         world_size=world_size,
                         store=session.store,
                         timeout=timedelta(seconds=timeout),
                     )
-                    results[rank] = fn(ctx, *args, **(kwargs or {}))
-                except BaseException as exc:  # every rank's outcome is reported, so catch all
-                    failures[rank] = exc
-                    tracebacks[rank] = "".join(traceback.format_exception(exc))
-                    if not isinstance(exc, WorldAborted):
-                        session.abort(exc)
-                finally:
+                    _call_rank(session, rank, fn, make_ctx(rank), args, kwargs, outcome)
+                except BaseException as exc:  # init failed, or an abort landed outside the body
+                    outcome.fail(rank, exc)
+                    session.abort(exc)
                     session.rank_done(rank)
+                finally:
                     try:
                         if dist.is_initialized():
                             dist.destroy_process_group()
                     finally:
-                        RankContext.unbind(token)
                         _binding.__dict__.clear()
                         c10d_world.unbind()
 
@@ -634,46 +908,14 @@ class ThreadedWorld:
                 t.join(max(0.0, deadline - time.monotonic()))
             hung = [r for r, t in enumerate(threads) if t.is_alive()]
             if hung:
-                stacks = _stacks(threads)
-                err = WorldTimeout(
-                    f"world of {world_size} ranks ran past its timeout of {timeout:g} s; "
-                    f"ranks still running: {hung}\n" + _format_stacks(stacks),
-                    stacks,
-                )
+                err = _timeout_error(threads, world_size, timeout, hung)
                 session.abort(err)
-                self._reap(threads)
-                left = [t.name for t in threads if t.is_alive()]
+                left = _reap(threads, self.grace)
                 if left:
                     err.args = (err.args[0] + f"\nthreads that could not be stopped: {left}",)
                 raise err
-
-        primary = {r: e for r, e in failures.items() if not isinstance(e, WorldAborted)}
-        if primary or failures:
-            shown = primary or failures
-            head = "; ".join(f"rank {r}: {type(e).__name__}: {e}".splitlines()[0] for r, e in sorted(shown.items()))
-            body = "\n".join(f"---- rank {r} ----\n{tracebacks[r]}" for r in sorted(shown))
-            aborted = sorted(set(failures) - set(primary))
-            tail = f"\nranks {aborted} were aborted because of the failure above" if aborted and primary else ""
-            raise RankFailure(
-                f"{len(shown)} of {world_size} ranks failed: {head}\n{body}{tail}",
-                {r: tracebacks[r] for r in sorted(failures)},
-                {r: failures[r] for r in sorted(failures)},
-            )
-        return results
-
-    def _reap(self, threads: list[threading.Thread]) -> None:
-        """After a timeout: wake waits (done by abort), then interrupt ranks stuck in Python code."""
-        end = time.monotonic() + self.grace
-        for t in threads:
-            t.join(max(0.0, end - time.monotonic()))
-        for _ in range(50):
-            alive = [t for t in threads if t.is_alive()]
-            if not alive:
-                return
-            for t in alive:
-                _async_raise(t, WorldAborted)
-            for t in alive:
-                t.join(0.1)
+        outcome.raise_failures()
+        return outcome.results
 
 
 def _stacks(threads: list[threading.Thread]) -> dict[int, str]:
