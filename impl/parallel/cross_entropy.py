@@ -23,7 +23,8 @@ class _VocabParallelCE(torch.autograd.Function):
     def forward(
         ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: Any, vocab_start: int, ignore_index: int
     ) -> torch.Tensor:
-        x = logits.float()
+        # At least fp32 for the softmax; fp64 logits stay fp64 (a downcast would lose their precision).
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32))
         local_v = x.shape[-1]
         if local_v:
             gmax = x.max(dim=-1).values
