@@ -98,7 +98,15 @@ def discover(pattern: str = "*") -> list[_Item]:
                 missing = [p for p in wanted if p not in kwargs]
                 skip = f"needs pytest fixtures {missing}; run it under pytest" if missing else None
                 items.append(_Item(module.__name__, name, info, kwargs, pid, skip))
-    return items
+    # SPEC order (A1, A2, ..., D8), then name: the table reads like SPEC.md.
+    return sorted(items, key=lambda it: (_contract_key(it.info.contract), it.name))
+
+
+def _contract_key(contract: str | None) -> tuple[str, int]:
+    if not contract:
+        return ("~", 0)
+    digits = "".join(ch for ch in contract[1:] if ch.isdigit())
+    return (contract[:1], int(digits) if digits else 0)
 
 
 def _classify(exc: BaseException, third_party: bool) -> tuple[str, str, dict[str, str]]:
@@ -253,11 +261,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     total = sum(len(args.world_sizes or it.info.world_sizes) for it in items) * len(targets) * len(worlds)
     results: list[Result] = []
     start = time.perf_counter()
+    live = sys.stderr.isatty()
     for n, result in enumerate(_run_all(items, targets, worlds, args.world_sizes, args.timeout), 1):
         results.append(result)
-        bar = "#" * (30 * n // total)
-        print(f"\r[{bar:<30}] {n}/{total} {result.spec[:50]:<50}", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
+        if live:  # a redrawn bar on a terminal; in CI logs, a line per tenth of the run
+            bar = "#" * (30 * n // total)
+            print(f"\r[{bar:<30}] {n}/{total} {result.spec[:50]:<50}", end="", file=sys.stderr, flush=True)
+        elif n == total or n % max(1, total // 10) == 0:
+            print(f"dstest: {n}/{total} runs done", file=sys.stderr, flush=True)
+    if live:
+        print(file=sys.stderr)
     print(_table(results))
     counts = {s: sum(r.status == s for r in results) for s in _SYMBOL}
     print(
