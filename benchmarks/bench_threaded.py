@@ -25,7 +25,7 @@ from _torch_threaded import run_torch_threaded
 from dstest.worlds.fake import FakeWorld
 from dstest.worlds.threaded import ThreadedWorld
 
-WORLD = ThreadedWorld()
+WORLD = ThreadedWorld(warm=True)
 BW_WORLD_SIZE = 4
 
 
