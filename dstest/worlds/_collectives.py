@@ -28,67 +28,64 @@ def describe_tensor(t: torch.Tensor) -> str:
     return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}@{t.device.type}"
 
 
-def _bitwise(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    def reduce(stacked: torch.Tensor) -> torch.Tensor:
-        if stacked.dtype.is_floating_point or stacked.dtype.is_complex:
-            raise InvalidArgument(
-                f"bitwise reduce op on dtype={stacked.dtype}: only integer and bool tensors allowed"
-            )
-        out = stacked[0].clone()
-        for row in stacked[1:]:
-            out = fn(out, row)
+def _fold(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[Sequence[torch.Tensor]], torch.Tensor]:
+    """Reduce in rank order into one fresh tensor, in place: no stacked copy of every rank's input."""
+
+    def reduce(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        out = tensors[0].detach().clone()
+        for t in tensors[1:]:
+            step(out, t.detach())
         return out
 
     return reduce
 
 
-def _avg(stacked: torch.Tensor) -> torch.Tensor:
-    total = stacked.sum(dim=0, dtype=stacked.dtype) if stacked.dtype != torch.bool else stacked.any(dim=0)
-    if stacked.dtype.is_floating_point or stacked.dtype.is_complex:
-        return total / stacked.shape[0]
-    return torch.div(total, stacked.shape[0], rounding_mode="trunc")
+def _integral_only(name: str, reduce: Callable[[Sequence[torch.Tensor]], torch.Tensor]) -> Callable[[Sequence[torch.Tensor]], torch.Tensor]:
+    def checked(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        dtype = tensors[0].dtype
+        if dtype.is_floating_point or dtype.is_complex:
+            raise InvalidArgument(f"reduce op {name!r} on dtype={dtype}: only integer and bool tensors allowed")
+        return reduce(tensors)
+
+    return checked
 
 
-def _sum(stacked: torch.Tensor) -> torch.Tensor:
-    if stacked.dtype == torch.bool:
-        return stacked.any(dim=0)
-    # Rank order, left to right, as ring and tree reductions would for 2 ranks; keeps the dtype.
-    out = stacked[0].clone()
-    for row in stacked[1:]:
-        out += row
-    return out
+def _sum_step(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return out.logical_or_(t) if out.dtype == torch.bool else out.add_(t)
 
 
-def _product(stacked: torch.Tensor) -> torch.Tensor:
-    if stacked.dtype == torch.bool:
-        return stacked.all(dim=0)
-    out = stacked[0].clone()
-    for row in stacked[1:]:
-        out *= row
-    return out
+def _product_step(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return out.logical_and_(t) if out.dtype == torch.bool else out.mul_(t)
 
 
-_REDUCERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "sum": _sum,
+def _avg(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    total = _fold(_sum_step)(tensors)
+    if total.dtype.is_floating_point or total.dtype.is_complex:
+        return total.div_(len(tensors))
+    return torch.div(total, len(tensors), rounding_mode="trunc")
+
+
+_REDUCERS: dict[str, Callable[[Sequence[torch.Tensor]], torch.Tensor]] = {
+    "sum": _fold(_sum_step),
     "avg": _avg,
-    "product": _product,
-    "min": lambda s: s.amin(dim=0) if s.dtype != torch.bool else s.all(dim=0),
-    "max": lambda s: s.amax(dim=0) if s.dtype != torch.bool else s.any(dim=0),
-    "band": _bitwise(torch.bitwise_and),
-    "bor": _bitwise(torch.bitwise_or),
-    "bxor": _bitwise(torch.bitwise_xor),
+    "product": _fold(_product_step),
+    "min": _fold(lambda out, t: torch.minimum(out, t, out=out)),
+    "max": _fold(lambda out, t: torch.maximum(out, t, out=out)),
+    "band": _integral_only("band", _fold(lambda out, t: out.bitwise_and_(t))),
+    "bor": _integral_only("bor", _fold(lambda out, t: out.bitwise_or_(t))),
+    "bxor": _integral_only("bxor", _fold(lambda out, t: out.bitwise_xor_(t))),
 }
 
 
 def reduce_tensors(op: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Reduce same-shaped tensors with a c10d reduce op name ('sum', 'avg', 'min', ...)."""
+    """Reduce same-shaped tensors, in rank order, with a c10d reduce op name ('sum', 'avg', 'min', ...)."""
     try:
         reducer = _REDUCERS[op]
     except KeyError:
         raise InvalidArgument(
             f"reduce op {op!r} is not supported by the threaded world; allowed: {sorted(_REDUCERS)}"
         ) from None
-    return reducer(torch.stack([t.detach() for t in tensors]))
+    return reducer(tensors)
 
 
 class Call:
