@@ -104,6 +104,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer sizes (CI smoke run)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--torch-max", type=int, default=512, help="largest world for torch's threaded group (1024 takes minutes)"
+    )
     args = parser.parse_args()
     warnings.simplefilter("ignore", FutureWarning)
     sizes = [1 << 10, 1 << 20, 64 << 20] if not args.quick else [1 << 10, 1 << 20]
@@ -114,7 +117,7 @@ def main() -> None:
     for r in results["bandwidth"]:
         print(f"{r['bytes']:>10} {r['collective']:<24} {r['seconds'] * 1e3:>10.3f} {r['memcpy_seconds'] * 1e3:>10.3f} {r['ratio_to_memcpy']:>8.2f}")
     ws_list = [8, 64, 256] if args.quick else [8, 64, 128, 256, 512, 1024]
-    results["scale"] = scale(ws_list, torch_max=256 if args.quick else 1024)
+    results["scale"] = scale(ws_list, torch_max=min(args.torch_max, 256) if args.quick else args.torch_max)
     print("\nall_gather + all_reduce, whole world run (threads, groups, collectives)")
     print(f"{'ranks':>6} {'dstest s':>10} {'torch threaded s':>17} {'torch/dstest':>13}")
     for r in results["scale"]:

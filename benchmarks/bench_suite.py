@@ -1,0 +1,46 @@
+"""The whole ``pytest -m cpu`` run, serial and with ``-n 2``, timed side by side.
+
+    python benchmarks/bench_suite.py [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def timed(extra: list[str]) -> tuple[float, str]:
+    cmd = [sys.executable, "-m", "pytest", "-m", "cpu", "-q", "-p", "no:cacheprovider", *extra]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    elapsed = time.perf_counter() - start
+    summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}): {summary}")
+    return elapsed, summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    serial, serial_summary = timed([])
+    parallel, parallel_summary = timed(["-n", "2"])
+    print(f"pytest -m cpu          {serial:7.1f} s   {serial_summary}")
+    print(f"pytest -m cpu -n 2     {parallel:7.1f} s   {parallel_summary}")
+    print(f"serial / -n 2          {serial / parallel:7.2f}x")
+    if args.json:
+        args.json.write_text(
+            json.dumps({"serial_seconds": serial, "xdist2_seconds": parallel, "ratio": serial / parallel,
+                        "serial": serial_summary, "xdist2": parallel_summary}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()
