@@ -152,7 +152,7 @@ def _run_all(
                     start = time.perf_counter()
                     try:
                         world.run(item.info.fn, ws, kwargs=item.params, timeout=item.info.timeout or timeout, target=target)
-                        status, detail, ranks = "pass", "", {}
+                        status, detail, ranks = "pass", "", dict[str, str]()
                     except BaseException as exc:  # classify everything a spec can end with
                         if isinstance(exc, KeyboardInterrupt):
                             raise
@@ -191,8 +191,8 @@ def _table(results: Sequence[Result]) -> str:
     for (target, world, label, contract), cells in rows.items():
         shown = []
         for s in sizes:
-            r = cells.get(s)
-            shown.append(f"{'':>12}" if r is None else f"{_SYMBOL[r.status] + f' {r.seconds * 1000:.0f}ms':>12}")
+            cell = cells.get(s)
+            shown.append(f"{'':>12}" if cell is None else f"{_SYMBOL[cell.status] + f' {cell.seconds * 1000:.0f}ms':>12}")
         lines.append(f"{target:<10} {world:<9} {contract:<8} {label:<{width}} " + " ".join(shown))
     return "\n".join(lines)
 

@@ -158,8 +158,8 @@ def init_rank_process_group(**kwargs: Any) -> None:
 
 def work_from_future(fut: torch.futures.Future[Any]) -> dist.Work:
     """A c10d Work backed by a torch Future (the public ``Work`` has no Python constructor)."""
-    create = torch._C._distributed_c10d._create_work_from_future
-    return create(fut)  # type: ignore[no-any-return]
+    c10d_ext: Any = torch._C._distributed_c10d  # private, untyped; _create_work_from_future is in 2.0-2.14
+    return c10d_ext._create_work_from_future(fut)  # type: ignore[no-any-return]
 
 
 def completed_work(result: Any) -> dist.Work:

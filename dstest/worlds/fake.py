@@ -32,7 +32,7 @@ class _FakeSession:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.lock = threading.Lock()
-        self.store = dist.HashStore()
+        self.store = torch._C._distributed_c10d.HashStore()
         self.open_groups = 0
         self.calls: dict[str, int] = {}
 

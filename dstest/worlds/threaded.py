@@ -179,7 +179,7 @@ class _Session:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.lock = threading.Lock()
-        self.store = dist.HashStore()
+        self.store = torch._C._distributed_c10d.HashStore()
         self.exchanges: dict[tuple[Any, ...], _Exchange] = {}
         self.p2p: dict[tuple[Any, ...], tuple[deque[_P2PWait], deque[_P2PWait]]] = {}
         self.pending: dict[int, _Waitable] = {}  # global rank -> what it is blocked on
@@ -396,11 +396,11 @@ class _Work(dist._Work):  # type: ignore[misc, name-defined]
         return fut
 
 
-class _Group(dist.ProcessGroup):  # type: ignore[misc]
+class _Group(dist.ProcessGroup):
     """One rank's handle on one group of a threaded world; every method forwards to the session."""
 
     def __init__(self, session: _Session, rank: int, size: int, global_ranks: list[int], name: str) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) overload has no stub
         self.session = session
         self.rank_ = rank
         self.size_ = size
@@ -428,7 +428,7 @@ class _Group(dist.ProcessGroup):  # type: ignore[misc]
         return _compat.reduce_op_name(opts.reduceOp)
 
     # -- collectives (signatures as c10d calls them) -----------------------------------------------
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:  # type: ignore[override]
         op = self._reduce_op(opts) if opts is not None else "sum"
         t = C._one(tensors, "all_reduce")
         return self._post(C.AllReduce(self.rank_, self.size_, t, op))
@@ -444,22 +444,22 @@ class _Group(dist.ProcessGroup):  # type: ignore[misc]
             offset += t.numel()
         return _Work(_Done(self.session, self.global_ranks[self.rank_], tensors))
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> _Work:  # type: ignore[override]
         t = C._one(tensors, "broadcast")
         return self._post(C.Broadcast(self.rank_, self.size_, t, int(opts.rootRank)))
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:  # type: ignore[override]
         t = C._one(tensors, "reduce")
         return self._post(C.Reduce(self.rank_, self.size_, t, self._reduce_op(opts), int(opts.rootRank)))
 
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> _Work:
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> _Work:  # type: ignore[override]
         t = C._one(inputs, "all_gather")
         return self._post(C.AllGather(self.rank_, self.size_, outputs[0], t))
 
     def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> _Work:
         return self._post(C.AllGatherIntoTensor(self.rank_, self.size_, output, inp))
 
-    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> _Work:
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> _Work:  # type: ignore[override]
         out = C._one(outputs, "reduce_scatter")
         return self._post(C.ReduceScatter(self.rank_, self.size_, out, inputs[0], self._reduce_op(opts)))
 
@@ -479,20 +479,20 @@ class _Group(dist.ProcessGroup):  # type: ignore[misc]
     ) -> _Work:
         return self._post(C.AllToAllSingle(self.rank_, self.size_, output, inp, output_split_sizes, input_split_sizes))
 
-    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> _Work:
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> _Work:  # type: ignore[override]
         t = C._one(inputs, "gather")
         outs = outputs[0] if outputs else []
         return self._post(C.Gather(self.rank_, self.size_, outs, t, int(opts.rootRank)))
 
-    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> _Work:
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> _Work:  # type: ignore[override]
         out = C._one(outputs, "scatter")
         ins = inputs[0] if inputs else []
         return self._post(C.Scatter(self.rank_, self.size_, out, ins, int(opts.rootRank)))
 
     # torch renamed the single-tensor entry points (2.13 calls these; older releases the _base names).
-    all_gather_single = _allgather_base
-    reduce_scatter_single = _reduce_scatter_base
-    all_to_all_single = alltoall_base
+    all_gather_single = _allgather_base  # type: ignore[assignment]
+    reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]
+    all_to_all_single = alltoall_base  # type: ignore[assignment]
 
     def _coalesced(self, posts: list[_Work], tensors: list[torch.Tensor]) -> _Work:
         """Coalesced forms run as consecutive collectives on the group, in list order, on every rank."""
@@ -505,14 +505,14 @@ class _Group(dist.ProcessGroup):  # type: ignore[misc]
     ) -> _Work:
         return self._coalesced([self._allgather_base(o, i) for o, i in zip(outputs, inputs)], outputs)
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
 
-    def reduce_scatter_single_coalesced(
+    def reduce_scatter_single_coalesced(  # type: ignore[override]
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
     ) -> _Work:
         return self._coalesced([self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
     def barrier(self, opts: Any = None) -> _Work:
         return self._post(C.Barrier(self.rank_, self.size_))
