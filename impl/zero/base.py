@@ -176,7 +176,40 @@ class StagingBuffers:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
-class ZeroStage:
+class FlatCheckpoint:
+    """The checkpoint format every stage shares.
+
+    Each stage keeps a flat fp32 ``master`` (its partition, or all of it at stage 0), an optimizer
+    ``state`` of flat tensors beside it and a ``step_count``; ``_after_load`` brings the model's
+    parameters in line with the loaded master values.
+    """
+
+    master: torch.Tensor
+    state: dict[str, torch.Tensor]
+    step_count: int
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "master": self.master.clone(),
+            "state": {k: v.clone() for k, v in self.state.items()},
+            "step_count": self.step_count,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_shape("master", state["master"], self.master)
+        with torch.no_grad():
+            self.master.copy_(state["master"])
+            for k, v in self.state.items():
+                check_shape(k, state["state"][k], v)
+                v.copy_(state["state"][k])
+        self.step_count = int(state["step_count"])
+        self._after_load()
+
+    def _after_load(self) -> None:
+        raise NotImplementedError
+
+
+class ZeroStage(FlatCheckpoint):
     """Base of stages 0-2: bucket bookkeeping and the overlap hooks; subclasses reduce and step.
 
     Subclasses implement ``_reduce_bucket``, ``local_gradients``, ``step``, ``zero_grad``,
@@ -296,8 +329,11 @@ class ZeroStage:
     def comm_buffer_bytes(self) -> int:
         return self.staging.nbytes()
 
-    def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError
+def check_shape(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """A checkpoint tensor must have the shape this engine's stage needs (a clear error otherwise)."""
+    if got.shape != want.shape:
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(got.shape)}, this engine needs {tuple(want.shape)} "
+            "(same model, stage and data-parallel size required)"
+        )

@@ -8,8 +8,6 @@ back into a non-contiguous gradient). Sparse gradients (B4) are all-gathered as 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from impl.zero.base import StageContext, ZeroStage, tensor_bytes
@@ -155,27 +153,5 @@ class Stage0(ZeroStage):
             "comm_buffers": self.staging.nbytes(),
         }
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "master": self.master.clone(),
-            "state": {k: v.clone() for k, v in self.state.items()},
-            "step_count": self.step_count,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        _check_shape("master", state["master"], self.master)
-        with torch.no_grad():
-            self.master.copy_(state["master"])
-            for k, v in self.state.items():
-                _check_shape(k, state["state"][k], v)
-                v.copy_(state["state"][k])
-        self.step_count = int(state["step_count"])
+    def _after_load(self) -> None:
         self._write_back()
-
-
-def _check_shape(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    if got.shape != want.shape:
-        raise ValueError(
-            f"checkpoint tensor {name!r} has shape {tuple(got.shape)}, this engine needs {tuple(want.shape)} "
-            "(same model, stage and data-parallel size required)"
-        )

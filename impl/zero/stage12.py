@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from impl.zero.base import StageContext, ZeroStage, tensor_bytes
-from impl.zero.stage0 import _check_shape
 
 __all__ = ["Stage12"]
 
@@ -181,19 +180,5 @@ class Stage12(ZeroStage):
             "comm_buffers": self.staging.nbytes(),
         }
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "master": self.master.clone(),
-            "state": {k: v.clone() for k, v in self.state.items()},
-            "step_count": self.step_count,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        _check_shape("master", state["master"], self.master)
-        with torch.no_grad():
-            self.master.copy_(state["master"])
-            for k, v in self.state.items():
-                _check_shape(k, state["state"][k], v)
-                v.copy_(state["state"][k])
-        self.step_count = int(state["step_count"])
+    def _after_load(self) -> None:
         self._write_back(self.ctx.observer_comm)

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from impl.comm.pg_utils import effective_rank, effective_size, is_parallel
-from impl.zero.base import StageContext, StagingBuffers, tensor_bytes
+from impl.zero.base import FlatCheckpoint, StageContext, StagingBuffers, tensor_bytes
 from impl.zero.gather import BufferPool, ParamGatherer
 from impl.zero.partition import (
     ParamShard,
@@ -71,7 +71,7 @@ class _SavedView:
     offset: int
 
 
-class Stage3:
+class Stage3(FlatCheckpoint):
     stage = 3
     partitioned = True
 
@@ -427,24 +427,9 @@ class Stage3:
             "gathered_params": gathered,
         }
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "master": self.master.clone(),
-            "state": {k: v.clone() for k, v in self.state.items()},
-            "step_count": self.step_count,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        from impl.zero.stage0 import _check_shape
-
-        _check_shape("master", state["master"], self.master)
+    def _after_load(self) -> None:
         with torch.no_grad():
-            self.master.copy_(state["master"])
-            for k, v in self.state.items():
-                _check_shape(k, state["state"][k], v)
-                v.copy_(state["state"][k])
             self._refresh_shards()
-        self.step_count = int(state["step_count"])
         self.gatherer.release_all()
         for i in range(len(self.params)):
             self._set_released(i)
