@@ -325,3 +325,15 @@ def test_warm_world_retires_its_crew_on_failure_and_shutdown_stops_the_rest():
     shutdown_all()
     assert _warm_threads() == []
     assert c10d._world.__class__.__name__ == "_World"
+
+
+def test_warm_world_survives_a_spec_that_destroys_the_default_group():
+    warm = ThreadedWorld(warm=True)
+
+    def destroys(ctx):
+        dist.destroy_process_group()
+        return threading.current_thread()
+
+    threads = warm.run(destroys, 2)
+    assert warm.run(lambda ctx: dist.get_world_size(), 2) == [2, 2]
+    assert not any(t.is_alive() for t in threads)

@@ -646,6 +646,7 @@ class _WarmCrew:
         self.device = device
         self.session = _Session(world_size)
         self.busy = threading.Lock()
+        self.broken = False  # a run left a rank without its default group: the crew cannot serve again
         self._install = _compat.thread_local_c10d_world()
         self._c10d = self._install.__enter__()
         self._tasks: list[queue.SimpleQueue[Callable[[int], None] | None]] = [
@@ -679,6 +680,10 @@ class _WarmCrew:
             self._finished.put((rank, None))
             while (task := self._tasks[rank].get()) is not None:
                 task(rank)
+                if not dist.is_initialized():  # the run destroyed the default group itself
+                    self.broken = True
+                    self._finished.put((rank, None))
+                    return
                 self._reset_rank()
                 self._finished.put((rank, None))
         except BaseException as exc:
@@ -738,7 +743,7 @@ class _WarmCrew:
             pending.discard(rank)
             if exc is not None:  # the rank's loop itself broke: retire the crew
                 outcome.fail(rank, exc)
-        if outcome.failures or session.leftovers():
+        if outcome.failures or session.leftovers() or self.broken:
             self.close()
         outcome.raise_failures()
         return outcome.results
@@ -853,7 +858,7 @@ class ThreadedWorld:
                 return crew.run(fn, args, kwargs or {}, timeout, make_ctx)
             finally:
                 crew.busy.release()
-                if not crew.threads[0].is_alive() or crew.session.aborted is not None:
+                if crew.broken or not crew.threads[0].is_alive() or crew.session.aborted is not None:
                     _CREWS.retire(crew)
         return self._run_cold(fn, world_size, args, kwargs or {}, timeout, make_ctx, device)
 
