@@ -12,6 +12,7 @@ __all__ = ["FEATURES", "TARGET_NAMES", "Target", "TrainingEngine", "get_target",
 # name -> (module, class); adapters are imported on first use (a third-party target may not be installed).
 _TARGETS: dict[str, tuple[str, str]] = {
     "impl": ("dstest.targets.impl", "ImplTarget"),
+    "deepspeed": ("dstest.targets.deepspeed", "DeepSpeedTarget"),
 }
 TARGET_NAMES = tuple(_TARGETS)
 
