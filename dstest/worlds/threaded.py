@@ -415,6 +415,12 @@ class _Group(dist.ProcessGroup):
         self._seq += 1
         return self._seq
 
+    def _get_backend(self, device: Any) -> _Group:  # type: ignore[override]
+        """The group is its own backend for every device; it has no ``supports_coalescing``, so
+        batch_isend_irecv posts each transfer on its own (torch 2.14 asks; our groups register no
+        C++ backend, and the default answer is "No backend type associated with device type cpu")."""
+        return self
+
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
