@@ -118,7 +118,7 @@ def _classify(exc: BaseException, third_party: bool) -> tuple[str, str, dict[str
         ranks = {str(r): exc.failures[r] for r in sorted(exc.failures)}
         first = next(iter(primary.values()), None) or exc
         detail = f"{type(first).__name__}: {first}".splitlines()[0]
-        contract_failure = all(isinstance(e, AssertionError | ValueError | TypeError | NotImplementedError) for e in primary.values())
+        contract_failure = all(isinstance(e, AssertionError | ValueError | TypeError | NotImplementedError | sys.modules["_pytest.outcomes"].Failed) for e in primary.values())
     else:
         detail = f"{type(exc).__name__}: {exc}".splitlines()[0]
         contract_failure = isinstance(exc, AssertionError)
