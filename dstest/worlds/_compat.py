@@ -16,15 +16,10 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 __all__ = [
-    "TORCH_VERSION",
-    "completed_work",
-    "group_name_of",
+    "init_rank_process_group",
     "reduce_op_name",
     "thread_local_c10d_world",
-    "work_from_future",
 ]
-
-TORCH_VERSION = torch.__version__
 
 
 class _PerThreadWorld:
@@ -55,6 +50,13 @@ class _ThreadLocalWorld:
         self._local = threading.local()
 
     def bind(self) -> _PerThreadWorld:
+        """Give the calling (rank) thread its own c10d state and keep its backward on this thread.
+
+        Autograd runs backward of CUDA tensors on its own device threads, where the rank's thread-local
+        state is invisible, so gradient hooks that issue collectives would find no process group. The
+        switch is per thread (autograd state is thread-local), hence set here, on the rank thread.
+        """
+        torch.autograd.set_multithreading_enabled(False)
         state = _PerThreadWorld()
         self._local.state = state
         return state
@@ -105,9 +107,7 @@ def thread_local_c10d_world() -> Iterator[_ThreadLocalWorld]:
     - torch 2.13 registers process groups by name in a process-global C++ registry; a second thread
       registering "0" fails with "A process group is already registered under the name0" unless
       ``_set_thread_isolation_mode(True)``.
-    - Autograd runs backward of CUDA tensors on its own device threads, where the rank's thread-local
-      state is invisible; gradient hooks that issue collectives need backward on the calling thread
-      (``torch.autograd.set_multithreading_enabled(False)``).
+    - Each rank thread calls ``bind()``, which also keeps that thread's backward on the thread.
     """
     with _INSTALL.lock:
         if _INSTALL.users == 0:
@@ -118,8 +118,6 @@ def thread_local_c10d_world() -> Iterator[_ThreadLocalWorld]:
             if isolation is not None:
                 isolation(True)
             _INSTALL.saved["isolation"] = isolation
-            _INSTALL.saved["autograd_mt"] = torch.autograd.grad_mode.set_multithreading_enabled(False)
-            _INSTALL.saved["autograd_mt"].__enter__()
         _INSTALL.users += 1
         world = _INSTALL.world
     assert world is not None
@@ -129,7 +127,6 @@ def thread_local_c10d_world() -> Iterator[_ThreadLocalWorld]:
         with _INSTALL.lock:
             _INSTALL.users -= 1
             if _INSTALL.users == 0:
-                _INSTALL.saved["autograd_mt"].__exit__(None, None, None)
                 isolation = _INSTALL.saved["isolation"]
                 if isolation is not None:
                     isolation(False)
@@ -156,18 +153,6 @@ def init_rank_process_group(**kwargs: Any) -> None:
             sys.excepthook = hook
 
 
-def work_from_future(fut: torch.futures.Future[Any]) -> dist.Work:
-    """A c10d Work backed by a torch Future (the public ``Work`` has no Python constructor)."""
-    c10d_ext: Any = torch._C._distributed_c10d  # private, untyped; _create_work_from_future is in 2.0-2.14
-    return c10d_ext._create_work_from_future(fut)  # type: ignore[no-any-return]
-
-
-def completed_work(result: Any) -> dist.Work:
-    fut: torch.futures.Future[Any] = torch.futures.Future()
-    fut.set_result(result)
-    return work_from_future(fut)
-
-
 _REDUCE_OP_NAMES = {
     "SUM": "sum",
     "AVG": "avg",
@@ -191,7 +176,3 @@ def reduce_op_name(op: Any) -> str:
     if inner is not None and inner is not op:
         return reduce_op_name(inner)
     raise ValueError(f"unsupported reduce op {op!r}")
-
-
-def group_name_of(pg: Any) -> str:
-    return str(getattr(pg, "group_name", "") or "")

@@ -33,7 +33,6 @@ class _FakeSession:
         self.world_size = world_size
         self.lock = threading.Lock()
         self.store = torch._C._distributed_c10d.HashStore()
-        self.open_groups = 0
         self.calls: dict[str, int] = {}
 
     def arrive(self, group: Any, call: C.Call) -> _Done:

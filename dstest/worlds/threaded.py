@@ -185,7 +185,6 @@ class _Session:
         self.pending: dict[int, _Waitable] = {}  # global rank -> what it is blocked on
         self.done: set[int] = set()
         self.aborted: BaseException | None = None
-        self.open_groups = 0
 
     def reset(self) -> None:
         """Start a new run on a warm session (called while no rank is inside a run)."""
@@ -408,8 +407,6 @@ class _Group(dist.ProcessGroup):
         self.key = (name, tuple(global_ranks))
         self.label = "world" if len(global_ranks) == session.world_size and name == "0" else f"{name} {global_ranks}"
         self._seq = 0
-        with session.lock:
-            session.open_groups += 1
 
     def next_seq(self) -> int:
         self._seq += 1

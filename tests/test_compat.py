@@ -1,0 +1,99 @@
+"""One test per torch behaviour that dstest/worlds/_compat.py (and the group's version hooks) paper over.
+
+The tox matrix (torch 2.11-2.14) runs these against every version.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from dstest.worlds import _compat
+from dstest.worlds.threaded import ThreadedWorld
+
+pytestmark = pytest.mark.cpu
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_rank_threads_have_their_own_c10d_world_and_the_main_thread_keeps_its_own(warm):
+    """c10d keeps its world in module globals; each rank thread must see its own default group."""
+    seen = ThreadedWorld(warm=warm).run(lambda ctx: (dist.get_rank(), dist.get_world_size()), 3)
+    assert seen == [(0, 3), (1, 3), (2, 3)]
+    assert not dist.is_initialized()  # the main thread's c10d state is untouched
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_init_process_group_does_not_stack_excepthooks(warm):
+    """torch 2.13 wraps sys.excepthook in every init_process_group (a "[rankN]" prefix per call)."""
+    hook = sys.excepthook
+    for _ in range(3):
+        ThreadedWorld(warm=warm).run(lambda ctx: None, 4)
+    assert sys.excepthook is hook
+
+
+def test_backward_runs_on_the_rank_thread():
+    """Gradient hooks that issue collectives need backward on the rank's own thread (autograd's device
+    threads cannot see the rank's thread-local state): multithreaded autograd is off inside a world."""
+
+    def body(ctx):
+        w = torch.ones(3, requires_grad=True)
+        w.register_hook(lambda g: (dist.all_reduce(g), g)[1])
+        (w * (ctx.rank + 1)).sum().backward()
+        return torch._C._is_multithreading_enabled(), w.grad.tolist()
+
+    got = ThreadedWorld().run(body, 2)
+    assert got == [(False, [3.0, 3.0, 3.0])] * 2
+
+
+def test_every_reduce_op_has_a_name():
+    names = {
+        _compat.reduce_op_name(getattr(dist.ReduceOp, op))
+        for op in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
+    }
+    assert names == {"sum", "avg", "product", "min", "max", "band", "bor", "bxor"}
+
+
+def test_single_tensor_collectives_under_both_names():
+    """torch 2.13 renamed all_gather_into_tensor/reduce_scatter_tensor to *_single; both must work."""
+
+    def body(ctx):
+        out = torch.empty(2 * ctx.world_size)
+        dist.all_gather_into_tensor(out, torch.full((2,), float(ctx.rank)))
+        rs = torch.empty(2)
+        dist.reduce_scatter_tensor(rs, torch.ones(2 * ctx.world_size))
+        if hasattr(dist, "all_gather_single"):
+            out2 = torch.empty_like(out)
+            dist.all_gather_single(out2, torch.full((2,), float(ctx.rank)))
+            assert torch.equal(out, out2)
+        return out.tolist(), rs.tolist()
+
+    got = ThreadedWorld().run(body, 2)
+    assert got[0] == ([0.0, 0.0, 1.0, 1.0], [2.0, 2.0])
+
+
+def test_batch_isend_irecv_without_coalescing_support():
+    """torch 2.14 asks the group's backend whether it coalesces before batch_isend_irecv."""
+
+    def body(ctx):
+        peer = 1 - ctx.rank
+        buf = torch.empty(2)
+        ops = [dist.P2POp(dist.isend, torch.full((2,), float(ctx.rank)), peer), dist.P2POp(dist.irecv, buf, peer)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return buf.tolist()
+
+    assert ThreadedWorld().run(body, 2) == [[1.0, 1.0], [0.0, 0.0]]
+
+
+def test_thread_local_world_is_removed_when_the_last_world_ends():
+    from dstest.worlds.threaded import shutdown_all
+
+    shutdown_all()  # warm crews of earlier tests hold the thread-local world
+    assert _compat._INSTALL.users == 0
+    original = c10d._world
+    ThreadedWorld().run(lambda ctx: None, 2)
+    assert c10d._world is original
