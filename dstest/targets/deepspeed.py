@@ -6,9 +6,15 @@ engine's own methods, ``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_
 values, ``deepspeed.comm.pg_utils.is_parallel`` for the optional-group guard, the AutoTP layers
 (``deepspeed.module_inject.layers.LinearLayer`` / ``LinearAllreduce``), ``deepspeed.sequence.cross_entropy
 .vocab_parallel_cross_entropy`` and ``deepspeed.runtime.utils.get_global_norm_of_tensors`` for the call
-sites of SPEC A6, and ``DeepSpeedConfig`` for configuration checks. What the adapter adds is observation
-only: it counts the collectives DeepSpeed issues through ``deepspeed.comm`` and sums the bytes of the
-partitioned tensors the ZeRO optimizer owns. It never changes what DeepSpeed computes.
+sites of SPEC A6, and ``DeepSpeedConfig`` for configuration checks. Beyond that the adapter observes: it
+counts the collectives DeepSpeed issues through ``deepspeed.comm`` and sums the bytes of the partitioned
+tensors the ZeRO optimizer owns.
+
+Three translations keep one DeepSpeed finding each from masking every other spec (each is a finding in the
+README; ``DSTEST_DEEPSPEED_STRICT=1`` turns all three off): a missing ``gradient_clipping`` means 0 (the
+specs' "off"; DeepSpeed's default is 1.0), the removed ``sparse_gradients`` key is dropped, and
+non-contiguous parameters are made contiguous before ``deepspeed.initialize`` (which cannot broadcast them).
+Crashes inside DeepSpeed's optional-group helpers are reported as :class:`DeepSpeedDeviation`.
 
 DeepSpeed keeps process groups and its communication backend in module globals, so it runs in the process
 world (one process per rank), not in threads. The process world destroys the groups a run created after
@@ -88,10 +94,10 @@ def _crash_is_deviation(contract: str, expected: str) -> Iterator[None]:
     except (AssertionError, ValueError, TypeError, NotImplementedError, DstestError):
         raise
     except Exception as exc:
-        frames = traceback.extract_tb(exc.__traceback__)
-        inner = frames[-1] if frames else None
-        if inner is None or f"{os.sep}deepspeed{os.sep}" not in inner.filename:
+        inside = [f for f in traceback.extract_tb(exc.__traceback__) if f"{os.sep}deepspeed{os.sep}" in f.filename]
+        if not inside:
             raise
+        inner = inside[-1]  # DeepSpeed's innermost frame (the crash may surface in torch below it)
         where = f"{inner.filename.rsplit(os.sep + 'site-packages' + os.sep, 1)[-1]}:{inner.lineno} in {inner.name}"
         raise DeepSpeedDeviation(
             contract, expected, f"{type(exc).__name__}: {exc}", f"raised inside DeepSpeed at {where}"
@@ -149,8 +155,41 @@ def _client_optimizer(section: Mapping[str, Any] | None, params: Iterable[torch.
 
 
 #: Set to 1 to hand DeepSpeed non-contiguous parameters as they are (see _make_parameters_contiguous).
-STRICT_LAYOUT_ENV = "DSTEST_DEEPSPEED_STRICT_LAYOUT"
-_layout_note_printed = False
+#: Set to 1 to hand DeepSpeed the specs' models and configurations untranslated (see :func:`_translate`).
+STRICT_ENV = "DSTEST_DEEPSPEED_STRICT"
+_notes_printed: set[str] = set()
+
+
+def _strict() -> bool:
+    return os.environ.get(STRICT_ENV, "") not in ("", "0")
+
+
+def _note(key: str, text: str) -> None:
+    """Say once per process (in the rank's output) what the adapter translated."""
+    if key not in _notes_printed:
+        _notes_printed.add(key)
+        print(f"dstest: {text} ({STRICT_ENV}=1 turns this off)", file=sys.stderr)
+
+
+def _translate(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The specs' configuration (impl's defaults, DeepSpeed's key names) in DeepSpeed 0.19.8's terms.
+
+    - ``gradient_clipping`` absent: the specs mean "off" (impl's default, 0); DeepSpeed's default is 1.0
+      (``GRADIENT_CLIPPING_DEFAULT`` in runtime/constants.py), which would clip every spec's step and make
+      DeepSpeed reject every ``compute_grad_norm: false`` ("requires gradient_clipping=0"). Set to 0.
+    - ``sparse_gradients``: removed in DeepSpeed 0.19.8 and rejected even when false
+      (``_REMOVED_TOP_LEVEL_CONFIG_KEYS``); an embedding built with ``sparse=True`` is reduced sparsely with
+      no flag, so the model selects the path the key selects for impl. Dropped.
+
+    Both are findings in the README; with ``DSTEST_DEEPSPEED_STRICT=1`` the configuration goes through as is.
+    """
+    cfg = copy.deepcopy(dict(config))
+    if _strict():
+        return cfg
+    if "gradient_clipping" not in cfg:
+        cfg["gradient_clipping"] = 0.0
+    cfg.pop("sparse_gradients", None)
+    return cfg
 
 
 def _make_parameters_contiguous(model: torch.nn.Module) -> None:
@@ -160,10 +199,8 @@ def _make_parameters_contiguous(model: torch.nn.Module) -> None:
     _broadcast_model`` broadcasts ``p.data.view(torch.uint8)``, which raises "self.stride(-1) must be 1 to
     view Float as Byte" (at every world size, W = 1 included). The bundled specs' model stores one weight
     transposed on purpose (SPEC A7), so without this every engine spec would report that one finding and
-    nothing else. The finding is documented in the README; with ``DSTEST_DEEPSPEED_STRICT_LAYOUT=1`` the
-    adapter leaves the layout alone and the run shows it."""
-    global _layout_note_printed
-    if os.environ.get(STRICT_LAYOUT_ENV, "") not in ("", "0"):
+    nothing else. The finding is in the README; with ``DSTEST_DEEPSPEED_STRICT=1`` the layout is left alone."""
+    if _strict():
         return
     changed = []
     with torch.no_grad():
@@ -171,13 +208,11 @@ def _make_parameters_contiguous(model: torch.nn.Module) -> None:
             if not p.data.is_contiguous():
                 p.data = p.data.contiguous()
                 changed.append(name)
-    if changed and not _layout_note_printed:
-        _layout_note_printed = True
-        print(
-            f"dstest: DeepSpeed 0.19.8 cannot initialise non-contiguous parameters (engine._broadcast_model views "
-            f"them as uint8); made {changed} contiguous before deepspeed.initialize "
-            f"({STRICT_LAYOUT_ENV}=1 keeps them as they are)",
-            file=sys.stderr,
+    if changed:
+        _note(
+            "layout",
+            f"DeepSpeed 0.19.8 cannot initialise non-contiguous parameters (engine._broadcast_model views them as "
+            f"uint8); made {changed} contiguous before deepspeed.initialize",
         )
 
 
@@ -333,18 +368,19 @@ class DeepSpeedEngineAdapter:
 
     # -- training ------------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.engine(*args, **kwargs)
+        with _crash_is_deviation("engine", "the forward of a configuration DeepSpeed accepted"):
+            return self.engine(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         if not self._window_open:  # the first backward of a step opens the counting window
             self._counter.counts = {}
             self._window_open = True
-        with self._counter.counting():
+        with self._counter.counting(), _crash_is_deviation("engine", "a backward DeepSpeed accepted"):
             self.engine.backward(loss)
 
     def step(self) -> None:
         boundary = bool(self.engine.is_gradient_accumulation_boundary())
-        with self._counter.counting():
+        with self._counter.counting(), _crash_is_deviation("engine", "a step DeepSpeed accepted"):
             self.engine.step()
         if boundary:
             self._window_open = False
@@ -360,6 +396,11 @@ class DeepSpeedEngineAdapter:
         return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
 
     def gradient_clipping(self) -> float:
+        """The threshold in effect: the ZeRO optimizer's own ``clip_grad`` where it has one (stages 1-3 and the
+        mixed-precision optimizers clip with it, and loading a checkpoint can change it), else the engine's."""
+        clip = getattr(self.engine.optimizer, "clip_grad", None)
+        if isinstance(clip, int | float):
+            return float(clip)
         return float(self.engine.gradient_clipping())
 
     def loss_scale(self) -> float:
@@ -381,7 +422,8 @@ class DeepSpeedEngineAdapter:
 
         out = {}
         for name, p in self._named():
-            full = safe_get_full_fp32_param(p)  # collective at stage 3
+            with _crash_is_deviation("engine", f"the full fp32 value of parameter {name!r}"):
+                full = safe_get_full_fp32_param(p)  # collective at stage 3
             out[name] = (p.detach() if full is None else full).float().clone().cpu()
         return out
 
@@ -391,7 +433,8 @@ class DeepSpeedEngineAdapter:
         scale = self.loss_scale()
         out = {}
         for name, p in self._named():
-            g = safe_get_full_grad(p)  # collective at stages 1-3
+            with _crash_is_deviation("engine", f"the full gradient of parameter {name!r}"):
+                g = safe_get_full_grad(p)  # collective at stages 1-3
             if g is None:
                 raise AssertionError(f"DeepSpeed holds no gradient for {name!r} (safe_get_full_grad returned None)")
             g = g.float().clone().cpu()
@@ -434,10 +477,12 @@ class DeepSpeedEngineAdapter:
 
     # -- checkpoints -------------------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None) -> Any:
-        return self.engine.save_checkpoint(str(save_dir), tag=tag)
+        with _crash_is_deviation("engine", "a saved checkpoint"):
+            return self.engine.save_checkpoint(str(save_dir), tag=tag)
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None) -> Any:
-        return self.engine.load_checkpoint(str(load_dir), tag=tag)
+        with _crash_is_deviation("engine", "a loaded checkpoint"):
+            return self.engine.load_checkpoint(str(load_dir), tag=tag)
 
 
 class DeepSpeedTarget:
@@ -476,27 +521,25 @@ class DeepSpeedTarget:
         return feature in _FEATURES
 
     def check_config(self, config: Mapping[str, Any]) -> None:
-        """DeepSpeed's own validation of a configuration (``DeepSpeedConfig``): no engine, no collective."""
+        """DeepSpeed's own validation of a configuration (``DeepSpeedConfig``; translated as for
+        :meth:`initialize`): no engine, no collective."""
         from deepspeed.runtime.config import DeepSpeedConfig
 
-        DeepSpeedConfig(copy.deepcopy(dict(config)))
+        DeepSpeedConfig(_translate(config))
 
     def initialize(
         self, model: torch.nn.Module, config: Mapping[str, Any], dp_group: Any = None, mp_group: Any = None
     ) -> TrainingEngine:
         ds = _deepspeed()
         _ensure_comm()
-        cfg = copy.deepcopy(dict(config))
+        cfg = _translate(config)
         optimizer = _client_optimizer(cfg.pop("optimizer", None), model.parameters())
-        # DeepSpeed 0.19.8 removed the "sparse_gradients" key and rejects it even when false: the gradients of
-        # an embedding built with sparse=True are reduced sparsely with no flag (runtime/config.py,
-        # _REMOVED_TOP_LEVEL_CONFIG_KEYS). The model selects the sparse path there, so the key is dropped.
-        cfg.pop("sparse_gradients", None)
         cfg["zero_allow_untested_optimizer"] = True
         cfg.setdefault("steps_per_print", 1 << 30)
         _make_parameters_contiguous(model)
         mpu = None if dp_group is None and mp_group is None else _Mpu(dp_group, mp_group)
-        engine, *_ = ds.initialize(model=model, optimizer=optimizer, config=cfg, mpu=mpu, dist_init_required=False)
+        with _crash_is_deviation("engine", "an engine for a configuration DeepSpeedConfig accepts"):
+            engine, *_ = ds.initialize(model=model, optimizer=optimizer, config=cfg, mpu=mpu, dist_init_required=False)
         return DeepSpeedEngineAdapter(engine)
 
     # -- optional-group call sites (SPEC A) ------------------------------------------------------------------
