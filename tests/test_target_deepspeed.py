@@ -199,6 +199,16 @@ def test_refuses_threads_and_a_missing_world(deepspeed: types.ModuleType) -> Non
         get_target("deepspeed").initialize(build(), config(1))
 
 
+def test_config_errors_are_not_crashes(deepspeed: types.ModuleType) -> None:
+    from deepspeed.runtime.config import DeepSpeedConfigError
+
+    exc = DeepSpeedConfigError("a removed key")
+    with pytest.raises(DeepSpeedConfigError):
+        with _crash_is_deviation("B7", "a config error"):
+            _raise_in(DS_FILE, exc)
+    assert isinstance(exc, get_target("deepspeed").config_errors)
+
+
 def test_collective_counter_counts_outermost_calls(
     deepspeed: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
