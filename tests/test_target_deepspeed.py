@@ -19,11 +19,12 @@ from typing import Any
 import pytest
 import torch
 
-from dstest.errors import Deviation, DstestError, InvalidArgument
+from dstest.errors import Deviation, DstestError
 from dstest.specs import SpecNet, build, config
 from dstest.targets import TARGET_NAMES, Target, get_target
 from dstest.targets.deepspeed import (
     STRICT_ENV,
+    DeepSpeedAdapterError,
     DeepSpeedDeviation,
     DeepSpeedUnavailable,
     _crash_is_deviation,
@@ -193,10 +194,14 @@ def test_refuses_threads_and_a_missing_world(deepspeed: types.ModuleType) -> Non
     thread = threading.Thread(target=construct)
     thread.start()
     thread.join()
-    assert len(caught) == 1 and isinstance(caught[0], InvalidArgument)
+    assert len(caught) == 1 and isinstance(caught[0], DeepSpeedAdapterError)
     assert "process world" in str(caught[0])
-    with pytest.raises(InvalidArgument, match="process world"):
+    with pytest.raises(DeepSpeedAdapterError, match="process world"):
         get_target("deepspeed").initialize(build(), config(1))
+    # a failure of the run, never a deviation of DeepSpeed
+    from dstest.cli import _classify
+
+    assert _classify(caught[0], third_party=True)[0] == "fail"
 
 
 def test_config_errors_are_not_crashes(deepspeed: types.ModuleType) -> None:

@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from dstest.errors import Deviation, DstestError, InvalidArgument
+from dstest.errors import Deviation, DstestError
 from dstest.targets.base import FEATURES, TrainingEngine
 
-__all__ = ["DeepSpeedDeviation", "DeepSpeedTarget", "DeepSpeedUnavailable"]
+__all__ = ["DeepSpeedAdapterError", "DeepSpeedDeviation", "DeepSpeedTarget", "DeepSpeedUnavailable"]
 
 #: What this adapter can observe or drive. Not listed: "comm_buffer_bytes" (DeepSpeed's staging buffers
 #: are spread over private attributes that change between releases; no public accessor) and
@@ -60,6 +60,13 @@ _COLLECTIVES = (
 
 class DeepSpeedUnavailable(DstestError, ImportError):
     """DeepSpeed is not installed (or cannot be imported) in this environment."""
+
+
+class DeepSpeedAdapterError(DstestError, RuntimeError):
+    """The adapter cannot serve the request (wrong world, no process group, an optimizer it does not build).
+
+    Not a ValueError or AssertionError on purpose: the conformance run must report these as failures of the
+    run, never as deviations of DeepSpeed."""
 
 
 def _deepspeed() -> Any:
@@ -130,7 +137,7 @@ def _ensure_comm() -> None:
     from deepspeed.accelerator import get_accelerator
 
     if not dist.is_initialized():
-        raise InvalidArgument(
+        raise DeepSpeedAdapterError(
             "target 'deepspeed' needs an initialised torch.distributed world; run it in the process world "
             "(`dstest --target deepspeed --world process`, or `--dstest-worlds=process` under pytest)"
         )
@@ -149,7 +156,7 @@ def _client_optimizer(section: Mapping[str, Any] | None, params: Iterable[torch.
     try:
         cls = classes[kind.lower()]
     except KeyError:
-        raise InvalidArgument(
+        raise DeepSpeedAdapterError(
             f"optimizer.type={kind!r}: the DeepSpeed adapter drives client torch optimizers only; "
             f"allowed: {sorted(c.__name__ for c in classes.values())}"
         ) from None
@@ -157,7 +164,6 @@ def _client_optimizer(section: Mapping[str, Any] | None, params: Iterable[torch.
     return opt
 
 
-#: Set to 1 to hand DeepSpeed non-contiguous parameters as they are (see _make_parameters_contiguous).
 #: Set to 1 to hand DeepSpeed the specs' models and configurations untranslated (see :func:`_translate`).
 STRICT_ENV = "DSTEST_DEEPSPEED_STRICT"
 _notes_printed: set[str] = set()
@@ -497,7 +503,7 @@ class DeepSpeedTarget:
     def __init__(self) -> None:
         ds = _deepspeed()
         if threading.current_thread() is not threading.main_thread():
-            raise InvalidArgument(
+            raise DeepSpeedAdapterError(
                 "target 'deepspeed' cannot run in the threaded world: DeepSpeed keeps process groups in module "
                 "globals shared by all threads; run it in the process world (`--world process`, or "
                 "`--dstest-worlds=process` under pytest)"
@@ -561,7 +567,7 @@ class DeepSpeedTarget:
 
         ops = {"sum": ds_comm.ReduceOp.SUM, "max": ds_comm.ReduceOp.MAX, "min": ds_comm.ReduceOp.MIN}
         if op not in ops:
-            raise InvalidArgument(f"op={op!r}; allowed: {sorted(ops)}")
+            raise DeepSpeedAdapterError(f"op={op!r}; allowed: {sorted(ops)}")
         if group is not None:
             _ensure_comm()
         with _crash_is_deviation("A5", "a guarded all-reduce that works on any optional group"):
