@@ -110,7 +110,15 @@ def _contract_key(contract: str | None) -> tuple[str, int]:
 
 
 def _classify(exc: BaseException, third_party: bool) -> tuple[str, str, dict[str, str]]:
-    from dstest.errors import RankFailure, WorldAborted
+    from _pytest.outcomes import Failed  # pytest.raises' "DID NOT RAISE" and pytest.fail
+
+    from dstest.errors import Deviation, DstestError, RankFailure, WorldAborted
+
+    def is_contract_failure(e: BaseException) -> bool:
+        """What the target did (an assertion or its own error), not a fault of dstest's inputs or worlds."""
+        if isinstance(e, DstestError) and not isinstance(e, Deviation):
+            return False
+        return isinstance(e, AssertionError | ValueError | TypeError | NotImplementedError | Failed)
 
     ranks: dict[str, str] = {}
     if isinstance(exc, RankFailure):
@@ -118,10 +126,10 @@ def _classify(exc: BaseException, third_party: bool) -> tuple[str, str, dict[str
         ranks = {str(r): exc.failures[r] for r in sorted(exc.failures)}
         first = next(iter(primary.values()), None) or exc
         detail = f"{type(first).__name__}: {first}".splitlines()[0]
-        contract_failure = all(isinstance(e, AssertionError | ValueError | TypeError | NotImplementedError | sys.modules["_pytest.outcomes"].Failed) for e in primary.values())
+        contract_failure = bool(primary) and all(is_contract_failure(e) for e in primary.values())
     else:
         detail = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        contract_failure = isinstance(exc, AssertionError)
+        contract_failure = is_contract_failure(exc)
     if third_party and contract_failure:
         return "deviation", detail, ranks
     return "fail", detail, ranks
@@ -221,6 +229,12 @@ def _junit(results: Sequence[Result], path: str) -> None:
     ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
 
 
+def _default_world(target: str) -> str:
+    from dstest.targets import get_target
+
+    return str(getattr(get_target(target), "default_world", "threaded"))
+
+
 def _sizes(text: str) -> list[int]:
     try:
         sizes = [int(s) for s in text.split(",") if s.strip()]
@@ -257,7 +271,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dstest: no bundled spec matches {args.spec!r}", file=sys.stderr)
         return 2
     targets = args.target or ["impl"]
-    worlds = args.world or ["threaded"]
+    # Without --world each target runs where it can: impl in threads, DeepSpeed (module-global process
+    # groups) in the process world.
+    worlds = args.world or sorted({_default_world(t) for t in targets}, key=list(WORLD_NAMES).index)
     total = sum(len(args.world_sizes or it.info.world_sizes) for it in items) * len(targets) * len(worlds)
     results: list[Result] = []
     start = time.perf_counter()

@@ -81,6 +81,10 @@ class Deviation(DstestError, AssertionError):
             msg += f" ({explanation})"
         super().__init__(msg)
 
+    def __reduce__(self) -> tuple[type[Deviation], tuple[str, object, object, str]]:
+        # Crosses process boundaries (the process world pickles rank errors); args hold only the message.
+        return (type(self), (self.contract, self.expected, self.got, self.explanation))
+
 
 class WorldAborted(BaseException):
     """Unwinds a rank whose world is shutting down because another rank failed or the world timed out.

@@ -48,3 +48,25 @@ def test_failures_on_third_party_targets_are_deviations():
 def test_bad_world_sizes_are_a_usage_error():
     with pytest.raises(SystemExit):
         cli.main(["--world-sizes", "0,2"])
+
+
+def test_dstest_errors_are_never_deviations():
+    """A bad input from dstest itself (InvalidArgument is a ValueError) is a failure, not a finding."""
+    from dstest.errors import InvalidArgument
+
+    failure = RankFailure("1 of 1 ranks failed", {0: "tb"}, {0: InvalidArgument("world_size=0")})
+    assert cli._classify(failure, third_party=True)[0] == "fail"
+
+
+def test_deviation_survives_pickling():
+    """Rank errors cross process boundaries in the process world."""
+    import pickle
+
+    from dstest.errors import Deviation
+
+    got = pickle.loads(pickle.dumps(Deviation("B4", 1.0, 3.5, "f times the mean")))
+    assert (got.contract, got.expected, got.got, got.explanation) == ("B4", 1.0, 3.5, "f times the mean")
+
+
+def test_each_target_has_a_default_world():
+    assert cli._default_world("impl") == "threaded"

@@ -120,6 +120,8 @@ class Target(Protocol):
 
     name: str
     third_party: bool
+    #: Where the conformance run puts this target when no world is named ("threaded" or "process").
+    default_world: str
     #: Exception types a rejected configuration raises (checked with ``pytest.raises``).
     config_errors: tuple[type[BaseException], ...]
 

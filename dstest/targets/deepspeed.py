@@ -84,11 +84,7 @@ def _deepspeed() -> Any:
 
 
 class DeepSpeedDeviation(Deviation):
-    """A :class:`~dstest.errors.Deviation` that survives the trip from a worker process to the parent
-    (``Deviation`` itself cannot be unpickled: its ``__init__`` takes four arguments, its ``args`` one)."""
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.contract, self.expected, self.got, self.explanation))
+    """A :class:`~dstest.errors.Deviation` found by the DeepSpeed adapter (pickles across processes)."""
 
 
 @contextlib.contextmanager
@@ -499,6 +495,7 @@ class DeepSpeedTarget:
 
     name = "deepspeed"
     third_party = True
+    default_world = "process"  # module-global process groups: one rank per process
 
     def __init__(self) -> None:
         ds = _deepspeed()

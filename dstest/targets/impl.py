@@ -15,6 +15,7 @@ __all__ = ["ImplTarget"]
 class ImplTarget:
     name = "impl"
     third_party = False
+    default_world = "threaded"
 
     def __init__(self) -> None:
         from impl.config import ConfigError
