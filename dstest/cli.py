@@ -295,7 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for r in results:
         if r.status in ("fail", "deviation"):
-            print(f"  {_SYMBOL[r.status]:<4} {r.target} {r.contract or ''} {r.spec}[{r.params}] ws{r.world_size}: {r.detail}")
+            detail = r.detail if len(r.detail) <= 160 else r.detail[:157] + "..."  # whole text in --json/--junit
+            print(f"  {_SYMBOL[r.status]:<4} {r.target} {r.contract or ''} {r.spec}[{r.params}] ws{r.world_size}: {detail}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump([asdict(r) for r in results], fh, indent=1)
