@@ -176,13 +176,27 @@ class StagingBuffers:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
-class FlatCheckpoint:
-    """The checkpoint format every stage shares.
+class StageBase:
+    """What every ZeRO stage (0-3) shares: its view of the data-parallel group and the checkpoint format.
 
     Each stage keeps a flat fp32 ``master`` (its partition, or all of it at stage 0), an optimizer
     ``state`` of flat tensors beside it and a ``step_count``; ``_after_load`` brings the model's
     parameters in line with the loaded master values.
     """
+
+    def __init__(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        self.names = [n for n, _ in ctx.named_params]
+        self.params = [p for _, p in ctx.named_params]
+        self.dp_group = ctx.dp_group
+        self.parallel = is_parallel(ctx.dp_group)
+        self.world_size = effective_size(ctx.dp_group)
+        self.rank = effective_rank(ctx.dp_group)
+        self.reduction = ctx.reduction
+        self.pre, self.post = ctx.reduction.factors(self.world_size)
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.staging = StagingBuffers(self.device)
+        self.step_count = 0
 
     master: torch.Tensor
     state: dict[str, torch.Tensor]
@@ -209,7 +223,7 @@ class FlatCheckpoint:
         raise NotImplementedError
 
 
-class ZeroStage(FlatCheckpoint):
+class ZeroStage(StageBase):
     """Base of stages 0-2: bucket bookkeeping and the overlap hooks; subclasses reduce and step.
 
     Subclasses implement ``_reduce_bucket``, ``local_gradients``, ``step``, ``zero_grad``,
@@ -220,18 +234,7 @@ class ZeroStage(FlatCheckpoint):
     partitioned: ClassVar[bool]
 
     def __init__(self, ctx: StageContext) -> None:
-        self.ctx = ctx
-        self.names = [n for n, _ in ctx.named_params]
-        self.params = [p for _, p in ctx.named_params]
-        self.dp_group = ctx.dp_group
-        self.parallel = is_parallel(ctx.dp_group)
-        self.world_size = effective_size(ctx.dp_group)
-        self.rank = effective_rank(ctx.dp_group)
-        self.reduction = ctx.reduction
-        self.pre, self.post = ctx.reduction.factors(self.world_size)
-        self.device = self.params[0].device if self.params else torch.device("cpu")
-        self.staging = StagingBuffers(self.device)
-        self.step_count = 0
+        super().__init__(ctx)
         numels = [p.numel() for p in self.params]
         self.layout = FlatLayout(numels, self.world_size)
         self.buckets = make_buckets(numels, ctx.reduction.bucket_size)

@@ -44,8 +44,7 @@ from typing import Any
 
 import torch
 
-from impl.comm.pg_utils import effective_rank, effective_size, is_parallel
-from impl.zero.base import FlatCheckpoint, StageContext, StagingBuffers, tensor_bytes
+from impl.zero.base import StageBase, StageContext, tensor_bytes
 from impl.zero.gather import BufferPool, ParamGatherer
 from impl.zero.partition import (
     ParamShard,
@@ -71,24 +70,13 @@ class _SavedView:
     offset: int
 
 
-class Stage3(FlatCheckpoint):
+class Stage3(StageBase):
     stage = 3
     partitioned = True
 
     def __init__(self, ctx: StageContext) -> None:
-        self.ctx = ctx
-        self.names = [n for n, _ in ctx.named_params]
-        self.params = [p for _, p in ctx.named_params]
-        self.dp_group = ctx.dp_group
-        self.parallel = is_parallel(ctx.dp_group)
-        self.world_size = effective_size(ctx.dp_group)
-        self.rank = effective_rank(ctx.dp_group)
-        self.reduction = ctx.reduction
-        self.pre, self.post = ctx.reduction.factors(self.world_size)
-        self.device = self.params[0].device if self.params else torch.device("cpu")
+        super().__init__(ctx)
         self.compute_dtype = ctx.compute_dtype
-        self.staging = StagingBuffers(self.device)
-        self.step_count = 0
         r = ctx.reduction
         self.path = "non_contiguous" if not r.contiguous else ("reduce_scatter" if r.reduce_scatter else "all_reduce")
 
