@@ -19,7 +19,6 @@ import json
 import multiprocessing
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _timing import median_seconds
 from _torch_threaded import run_torch_threaded
 
 from dstest.worlds.process import ProcessWorld, shutdown_all
@@ -73,15 +73,6 @@ def fresh_spawn_test(world_size: int) -> None:
             raise RuntimeError(f"fresh spawn at W={world_size}: exit codes {bad}")
 
 
-def _median(fn: Any, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="2,4,8", help="comma-separated world sizes (default 2,4,8)")
@@ -107,15 +98,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         process.run(trivial_spec, ws)
         run_torch_threaded(_torch_threads_body, ws)
         rows[ws] = {
-            "threaded": _median(lambda ws=ws: threaded.run(trivial_spec, ws), args.reps),
-            "threaded_cold": _median(lambda ws=ws: cold.run(trivial_spec, ws), args.reps),
-            "process": _median(lambda ws=ws: process.run(trivial_spec, ws), args.reps),
-            "torch_threads": _median(lambda ws=ws: run_torch_threaded(_torch_threads_body, ws), args.reps),
+            "threaded": median_seconds(lambda ws=ws: threaded.run(trivial_spec, ws), args.reps),
+            "threaded_cold": median_seconds(lambda ws=ws: cold.run(trivial_spec, ws), args.reps),
+            "process": median_seconds(lambda ws=ws: process.run(trivial_spec, ws), args.reps),
+            "torch_threads": median_seconds(lambda ws=ws: run_torch_threaded(_torch_threads_body, ws), args.reps),
         }
     shutdown_all()  # the spawn baseline gets the cores to itself
     threaded_shutdown_all()
     for ws in sizes:
-        rows[ws]["fresh_spawn"] = _median(lambda ws=ws: fresh_spawn_test(ws), args.spawn_reps)
+        rows[ws]["fresh_spawn"] = median_seconds(lambda ws=ws: fresh_spawn_test(ws), args.spawn_reps)
 
     ms = 1e3
     print(f"spec overhead per test, median ms ({os.cpu_count()} CPUs, torch {torch.__version__})")

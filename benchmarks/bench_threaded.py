@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 import warnings
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _timing import median_seconds
 from _torch_threaded import run_torch_threaded
 
 from dstest.worlds.fake import FakeWorld
@@ -27,15 +27,6 @@ from dstest.worlds.threaded import ThreadedWorld
 
 WORLD = ThreadedWorld(warm=True)
 BW_WORLD_SIZE = 4
-
-
-def _median(fn: Any, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _collective_loop(ctx: Any, kind: str, nbytes: int, reps: int) -> float:
@@ -64,10 +55,10 @@ def bandwidth(sizes: list[int], reps: int) -> list[dict[str, Any]]:
     for nbytes in sizes:
         n = max(1, nbytes // 4)
         src, dst = torch.ones(n), torch.empty(n)
-        memcpy = _median(lambda: dst.copy_(src), max(reps, 5))  # noqa: B023
+        memcpy = median_seconds(lambda: dst.copy_(src), max(reps, 5))  # noqa: B023
         # What the W ranks of one collective must write in all: each rank its own output.
         src_all, dst_all = torch.ones(n * BW_WORLD_SIZE), torch.empty(n * BW_WORLD_SIZE)
-        memcpy_all = _median(lambda: dst_all.copy_(src_all), max(reps, 5))  # noqa: B023
+        memcpy_all = median_seconds(lambda: dst_all.copy_(src_all), max(reps, 5))  # noqa: B023
         for kind in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
             per_call = max(WORLD.run(_collective_loop, BW_WORLD_SIZE, args=(kind, nbytes, reps), timeout=600))
             rows.append(
@@ -107,11 +98,11 @@ def scale(world_sizes: list[int], torch_max: int) -> list[dict[str, Any]]:
         start = time.perf_counter()
         WORLD.run(_gather_reduce, ws, timeout=600)
         first = time.perf_counter() - start
-        warm = _median(lambda: WORLD.run(_gather_reduce, ws, timeout=600), 3)  # noqa: B023
+        warm = median_seconds(lambda: WORLD.run(_gather_reduce, ws, timeout=600), 3)  # noqa: B023
         shutdown_all()
         theirs = None
         if ws <= torch_max:
-            theirs = _median(lambda: run_torch_threaded(_gather_reduce_torch, ws), 3 if ws <= 256 else 1)  # noqa: B023
+            theirs = median_seconds(lambda: run_torch_threaded(_gather_reduce_torch, ws), 3 if ws <= 256 else 1)  # noqa: B023
         rows.append(
             {
                 "world_size": ws,
