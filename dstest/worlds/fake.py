@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 from dstest.context import RankContext
-from dstest.errors import InvalidArgument, InvalidWorldSize, RankFailure, WorldTimeout
+from dstest.errors import InvalidArgument, RankFailure, WorldTimeout
 from dstest.worlds import _collectives as C
 from dstest.worlds import _compat
+from dstest.worlds.protocol import check_run_arguments
 from dstest.worlds.threaded import BACKEND_NAME, _binding, _Done, _register_backend
 
 __all__ = ["FakeWorld"]
@@ -78,8 +79,7 @@ class FakeWorld:
         seed: int = 0,
         target: str = "impl",
     ) -> list[Any]:
-        if not isinstance(world_size, int) or world_size < 1:
-            raise InvalidWorldSize(f"world_size={world_size!r} must be an int >= 1")
+        check_run_arguments(world_size, timeout)
         ranks = self.ranks if self.ranks is not None else tuple(sorted({0, world_size - 1}))
         bad = [r for r in ranks if not 0 <= r < world_size]
         if bad:

@@ -49,7 +49,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, NamedTuple
 
-from dstest.errors import InvalidArgument, InvalidWorldSize, RankFailure, WorkerDied, WorldAborted, WorldTimeout
+from dstest.errors import InvalidArgument, RankFailure, WorkerDied, WorldAborted, WorldTimeout
+from dstest.worlds.protocol import check_run_arguments
 
 __all__ = ["FAILURE_GRACE", "POOL_START_TIMEOUT", "ProcessWorld", "pool_pids", "shutdown_all"]
 
@@ -1102,10 +1103,7 @@ class ProcessWorld:
         seed: int = 0,
         target: str = "impl",
     ) -> list[Any]:
-        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-            raise InvalidWorldSize(f"world_size={world_size!r} must be an int >= 1")
-        if timeout <= 0:
-            raise InvalidArgument(f"timeout={timeout!r} must be > 0 seconds")
+        check_run_arguments(world_size, timeout)
         __tracebackhide__ = True
         ref = _reference(fn)
         pool = _pool_for(_PoolKey(self.backend, self.device, world_size), self.name)

@@ -5,7 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["World"]
+from dstest.errors import InvalidArgument, InvalidWorldSize
+
+__all__ = ["World", "check_run_arguments"]
+
+
+def check_run_arguments(world_size: object, timeout: float) -> None:
+    """The checks every ``World.run`` makes before it starts anything."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise InvalidWorldSize(f"world_size={world_size!r} must be an int >= 1")
+    if timeout <= 0:
+        raise InvalidArgument(f"timeout={timeout!r} must be > 0 seconds")
 
 
 @runtime_checkable

@@ -29,13 +29,13 @@ from dstest.context import RankContext
 from dstest.errors import (
     CollectiveMismatch,
     InvalidArgument,
-    InvalidWorldSize,
     RankFailure,
     WorldAborted,
     WorldTimeout,
 )
 from dstest.worlds import _collectives as C
 from dstest.worlds import _compat
+from dstest.worlds.protocol import check_run_arguments
 
 __all__ = ["BACKEND_NAME", "ThreadedWorld"]
 
@@ -843,10 +843,7 @@ class ThreadedWorld:
         seed: int = 0,
         target: str = "impl",
     ) -> list[Any]:
-        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-            raise InvalidWorldSize(f"world_size={world_size!r} must be an int >= 1")
-        if timeout <= 0:
-            raise InvalidArgument(f"timeout={timeout!r} must be > 0 seconds")
+        check_run_arguments(world_size, timeout)
         _register_backend()
         device = torch.device(self.device)
 
