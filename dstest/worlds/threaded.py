@@ -637,6 +637,24 @@ def _reap(threads: list[threading.Thread], grace: float) -> list[str]:
     return [t.name for t in threads if t.is_alive()]
 
 
+class _Countdown:
+    """Ranks report once each; the last report wakes the one waiter (the caller of ``run``) once."""
+
+    def __init__(self, world_size: int) -> None:
+        self.lock = threading.Lock()
+        self.left = set(range(world_size))
+        self.errors: dict[int, BaseException] = {}
+        self.all_done = threading.Event()
+
+    def done(self, rank: int, exc: BaseException | None = None) -> None:
+        with self.lock:
+            self.left.discard(rank)
+            if exc is not None:
+                self.errors[rank] = exc
+            if not self.left:
+                self.all_done.set()
+
+
 class _WarmCrew:
     """Rank threads with their default process group already formed, serving one run after another.
 
@@ -655,17 +673,17 @@ class _WarmCrew:
         self._tasks: list[queue.SimpleQueue[Callable[[int], None] | None]] = [
             queue.SimpleQueue() for _ in range(world_size)
         ]
-        self._finished: queue.SimpleQueue[tuple[int, BaseException | None]] = queue.SimpleQueue()
+        self._phase = _Countdown(world_size)  # the start, then each run
         self.threads = [
             threading.Thread(target=self._main, args=(r,), name=f"{_WARM_PREFIX}{r}", daemon=True)
             for r in range(world_size)
         ]
         for t in self.threads:
             t.start()
-        errors = [exc for _, exc in (self._finished.get() for _ in range(world_size)) if exc is not None]
-        if errors:
+        self._phase.all_done.wait()
+        if self._phase.errors:
             self.close()
-            raise errors[0]
+            raise next(iter(self._phase.errors.values()))
 
     def _main(self, rank: int) -> None:
         self._c10d.bind()
@@ -680,17 +698,17 @@ class _WarmCrew:
                 store=self.session.store,
                 timeout=timedelta(days=1),
             )
-            self._finished.put((rank, None))
+            self._phase.done(rank)
             while (task := self._tasks[rank].get()) is not None:
                 task(rank)
                 if not dist.is_initialized():  # the run destroyed the default group itself
                     self.broken = True
-                    self._finished.put((rank, None))
+                    self._phase.done(rank)
                     return
                 self._reset_rank()
-                self._finished.put((rank, None))
+                self._phase.done(rank)
         except BaseException as exc:
-            self._finished.put((rank, exc))
+            self._phase.done(rank, exc)
         finally:
             try:
                 if dist.is_initialized():
@@ -731,21 +749,18 @@ class _WarmCrew:
         def task(rank: int) -> None:
             _call_rank(session, rank, fn, make_ctx(rank), args, kwargs, outcome)
 
+        phase = self._phase = _Countdown(self.world_size)
         for q in self._tasks:
             q.put(task)
-        deadline = time.monotonic() + timeout
-        pending = set(range(self.world_size))
-        while pending:
-            try:
-                rank, exc = self._finished.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                err = _timeout_error(self.threads, self.world_size, timeout, sorted(pending))
-                session.abort(err)
-                self.close()
-                raise err from None
-            pending.discard(rank)
-            if exc is not None:  # the rank's loop itself broke: retire the crew
-                outcome.fail(rank, exc)
+        if not phase.all_done.wait(timeout):
+            with phase.lock:
+                hung = sorted(phase.left)
+            err = _timeout_error(self.threads, self.world_size, timeout, hung)
+            session.abort(err)
+            self.close()
+            raise err
+        for rank, exc in phase.errors.items():  # a rank's loop itself broke: retire the crew
+            outcome.fail(rank, exc)
         if outcome.failures or session.leftovers() or self.broken:
             self.close()
         outcome.raise_failures()
