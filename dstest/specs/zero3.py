@@ -95,6 +95,7 @@ def _shards(ctx: Any, shapes: Iterable[tuple[int, ...]], dtype: torch.dtype = to
 @dstest.spec(world_size=WORLD_SIZES, contract="D1")
 def test_d1_every_rank_holds_p_elements(ctx: Any, kind: str) -> None:
     """Every rank holds P = ceil(N/W) elements; the shards side by side are the parameter then zeros."""
+    require(ctx.target, "impl_components")  # about impl's pieces, whatever the target
     from impl.comm.collectives import all_gather_into
 
     W = ctx.world_size
@@ -193,6 +194,7 @@ _D2_SHAPES = [(13, 7), (0,), (1,), (13,), (97,)]
 @dstest.spec(world_size=WORLD_SIZES, contract="D2")
 def test_d2_registration_check_is_one_collective(ctx: Any) -> None:
     """Correct shards pass; the check is one collective for all parameters (none at W = 1)."""
+    require(ctx.target, "impl_components")  # about impl's pieces, whatever the target
     from impl.zero.partition import check_registration
 
     _, shards = _shards(ctx, [SIZE_KINDS[k](ctx.world_size) for k in SIZE_KINDS])
@@ -210,6 +212,7 @@ def test_d2_corrupted_shard_is_caught(ctx: Any, corruption: str) -> None:
     """The last rank's shard of one parameter is replaced by a tensor of another size; everything else
     about the parameter (name, shape, layout, P) is left as registered, so only a check of the real shard
     sizes can see it. Every rank must raise the clear error naming parameter, rank and both sizes."""
+    require(ctx.target, "impl_components")  # about impl's pieces, whatever the target
     from impl.zero.partition import RegistrationError, check_registration
 
     W = ctx.world_size
@@ -236,6 +239,7 @@ def test_d2_corrupted_shard_is_caught(ctx: Any, corruption: str) -> None:
 def test_d3_gather_is_a_view_of_the_padded_buffer(ctx: Any, kind: str) -> None:
     """One all-gather of uniform count P from the contiguous shard into a W·P buffer; the parameter is
     ``buffer[:N].view(shape)`` (same storage, same first element); the padding is never visible."""
+    require(ctx.target, "impl_components")  # about impl's pieces, whatever the target
     from impl.zero.gather import ParamGatherer
 
     W = ctx.world_size
@@ -268,6 +272,7 @@ def test_d3_gather_is_a_view_of_the_padded_buffer(ctx: Any, kind: str) -> None:
 def test_d4_regather_allocates_nothing(ctx: Any) -> None:
     """After the first gather, gathering again (after a release, many times, with changed shards)
     allocates no buffer, reuses the same storage, and is correct."""
+    require(ctx.target, "impl_components")  # about impl's pieces, whatever the target
     from impl.zero.gather import ParamGatherer
 
     W = ctx.world_size
@@ -297,6 +302,7 @@ def test_d4_regather_allocates_nothing(ctx: Any) -> None:
 @dstest.spec(world_size=WORLD_SIZES, contract="D4")
 def test_d4_cache_key_has_dtype_and_device(ctx: Any) -> None:
     """A buffer cached for one dtype (or device) is never handed out for another."""
+    require(ctx.target, "impl_components")  # about impl's pieces, whatever the target
     from impl.zero.gather import BufferPool, ParamGatherer
 
     W = ctx.world_size
@@ -367,6 +373,7 @@ def _check_uneven(ctx: Any, counts: list[int], impl: str) -> None:
 @pytest.mark.parametrize("layout", list(UNEVEN))
 @dstest.spec(world_size=WORLD_SIZES, contract="D5")
 def test_d5_uneven_gather_is_exact_concatenation(ctx: Any, layout: str, impl: str) -> None:
+    require(ctx.target, "impl_components")  # about impl's pieces, whatever the target
     _check_uneven(ctx, UNEVEN[layout](ctx.world_size), impl)
 
 
@@ -386,6 +393,7 @@ def _share_counts(counts: list[int] | None, world_size: int) -> list[int] | None
 def test_d5_hypothesis_layouts_equal_reference(ctx: Any) -> None:
     """Hypothesis draws the layouts (zero-size shards weighted in) on rank 0 and broadcasts each one; every
     rank gathers with the native op; a failure on any rank fails the example (and aborts the world)."""
+    require(ctx.target, "impl_components")  # about impl's pieces, whatever the target
     from hypothesis import HealthCheck, given, settings
 
     from dstest.strategies import shard_counts
@@ -416,6 +424,7 @@ def test_d5_hypothesis_layouts_equal_reference(ctx: Any) -> None:
 def test_d6_grouped_prefetch_is_one_launch(ctx: Any) -> None:
     """Several parameters prefetched together: one all-gather (each rank sends ΣP_t with P_t the single
     gather's ceil(N_t/W)), one compaction, results equal to single gathers, views of one buffer."""
+    require(ctx.target, "impl_components")  # about impl's pieces, whatever the target
     from impl.zero.gather import ParamGatherer
 
     W = ctx.world_size

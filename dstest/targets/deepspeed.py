@@ -46,7 +46,7 @@ __all__ = ["DeepSpeedAdapterError", "DeepSpeedDeviation", "DeepSpeedTarget", "De
 #: are spread over private attributes that change between releases; no public accessor) and
 #: "grad_multiplier" (DeepSpeed applies 1/scale inside its optimizer step without recording it); specs
 #: needing them skip. "fp16" depends on the accelerator (see :meth:`DeepSpeedTarget.supports`).
-_FEATURES = frozenset(FEATURES - {"comm_buffer_bytes", "grad_multiplier", "fp16"})
+_FEATURES = frozenset(FEATURES - {"comm_buffer_bytes", "grad_multiplier", "fp16", "impl_components"})
 
 #: Methods of DeepSpeed's communication backend (``deepspeed.comm.comm.cdb``) that issue a collective or a
 #: point-to-point transfer; every collective of DeepSpeed's runtime goes through one of them.
