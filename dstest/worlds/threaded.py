@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -637,6 +637,29 @@ def _reap(threads: list[threading.Thread], grace: float) -> list[str]:
     return [t.name for t in threads if t.is_alive()]
 
 
+@contextlib.contextmanager
+def _rank_process_group(
+    c10d_world: Any, session: _Session, rank: int, device: torch.device, timeout: timedelta
+) -> Iterator[None]:
+    """On a rank thread: its own c10d state and default group for the block, both gone afterwards."""
+    c10d_world.bind()
+    _binding.session, _binding.rank = session, rank
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device.index or 0)
+        _compat.init_rank_process_group(
+            backend=BACKEND_NAME, rank=rank, world_size=session.world_size, store=session.store, timeout=timeout
+        )
+        yield
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            _binding.__dict__.clear()
+            c10d_world.unbind()
+
+
 class _Countdown:
     """Ranks report once each; the last report wakes the one waiter (the caller of ``run``) once."""
 
@@ -686,36 +709,19 @@ class _WarmCrew:
             raise next(iter(self._phase.errors.values()))
 
     def _main(self, rank: int) -> None:
-        self._c10d.bind()
-        _binding.session, _binding.rank = self.session, rank
         try:
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device.index or 0)
-            _compat.init_rank_process_group(
-                backend=BACKEND_NAME,
-                rank=rank,
-                world_size=self.world_size,
-                store=self.session.store,
-                timeout=timedelta(days=1),
-            )
-            self._phase.done(rank)
-            while (task := self._tasks[rank].get()) is not None:
-                task(rank)
-                if not dist.is_initialized():  # the run destroyed the default group itself
-                    self.broken = True
-                    self._phase.done(rank)
-                    return
-                self._reset_rank()
+            with _rank_process_group(self._c10d, self.session, rank, self.device, timedelta(days=1)):
                 self._phase.done(rank)
+                while (task := self._tasks[rank].get()) is not None:
+                    task(rank)
+                    if not dist.is_initialized():  # the run destroyed the default group itself
+                        self.broken = True
+                        self._phase.done(rank)
+                        return
+                    self._reset_rank()
+                    self._phase.done(rank)
         except BaseException as exc:
             self._phase.done(rank, exc)
-        finally:
-            try:
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-            finally:
-                _binding.__dict__.clear()
-                self._c10d.unbind()
 
     def _reset_rank(self) -> None:
         """Undo what a run leaves on its rank thread: subgroups, grad mode."""
@@ -892,30 +898,13 @@ class ThreadedWorld:
         with _compat.thread_local_c10d_world() as c10d_world:
 
             def rank_main(rank: int) -> None:
-                c10d_world.bind()
-                _binding.session, _binding.rank = session, rank
                 try:
-                    if device.type == "cuda":
-                        torch.cuda.set_device(device.index or 0)
-                    _compat.init_rank_process_group(
-                        backend=BACKEND_NAME,
-                        rank=rank,
-                        world_size=world_size,
-                        store=session.store,
-                        timeout=timedelta(seconds=timeout),
-                    )
-                    _call_rank(session, rank, fn, make_ctx(rank), args, kwargs, outcome)
+                    with _rank_process_group(c10d_world, session, rank, device, timedelta(seconds=timeout)):
+                        _call_rank(session, rank, fn, make_ctx(rank), args, kwargs, outcome)
                 except BaseException as exc:  # init failed, or an abort landed outside the body
                     outcome.fail(rank, exc)
                     session.abort(exc)
                     session.rank_done(rank)
-                finally:
-                    try:
-                        if dist.is_initialized():
-                            dist.destroy_process_group()
-                    finally:
-                        _binding.__dict__.clear()
-                        c10d_world.unbind()
 
             threads = [
                 threading.Thread(target=rank_main, args=(r,), name=f"{_THREAD_PREFIX}{r}", daemon=True)
