@@ -30,6 +30,7 @@ _EXPORTS = {
     "Deviation": "dstest.errors",
     "DstestError": "dstest.errors",
     "InvalidArgument": "dstest.errors",
+    "InvalidSpec": "dstest.errors",
     "InvalidWorldSize": "dstest.errors",
     "RankFailure": "dstest.errors",
     "WorkerDied": "dstest.errors",
@@ -65,6 +66,9 @@ if TYPE_CHECKING:
     )
     from dstest.errors import (
         InvalidArgument as InvalidArgument,
+    )
+    from dstest.errors import (
+        InvalidSpec as InvalidSpec,
     )
     from dstest.errors import (
         InvalidWorldSize as InvalidWorldSize,

@@ -12,8 +12,11 @@ __all__ = [
     "Deviation",
     "DstestError",
     "InvalidArgument",
+    "InvalidSpec",
     "InvalidWorldSize",
     "RankFailure",
+    "UnfinishedWork",
+    "WorkAborted",
     "WorkerDied",
     "WorldAborted",
     "WorldTimeout",
@@ -30,6 +33,12 @@ class InvalidArgument(DstestError, ValueError):
 
 class InvalidWorldSize(InvalidArgument):
     """A world size that a world cannot run (``world_size=0``, more ranks than GPUs, ...)."""
+
+
+class InvalidSpec(InvalidArgument):
+    """A spec body dstest cannot run as written: a generator or ``async def`` function (calling it would run
+    nothing), or a method that does not take ``self`` first. The message says what to write instead.
+    """
 
 
 class CollectiveMismatch(DstestError, RuntimeError):
@@ -59,6 +68,17 @@ class WorldTimeout(DstestError, TimeoutError):
     def __init__(self, message: str, stacks: dict[int, str]) -> None:
         super().__init__(message)
         self.stacks = stacks
+
+
+class UnfinishedWork(CollectiveMismatch):
+    """A rank finished its function with async work that no rank matched, or that it never waited."""
+
+
+class WorkAborted(DstestError, RuntimeError):
+    """What a future handed out by ``Work.get_future()`` raises when its world was aborted or timed out.
+
+    torch futures take ``Exception`` subclasses only; the world's own report names the first real error.
+    """
 
 
 class WorkerDied(DstestError, RuntimeError):

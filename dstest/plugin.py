@@ -29,6 +29,16 @@ _owns_pools_key = pytest.StashKey[bool]()
 _active_sessions: list[pytest.Config] = []
 
 
+def _usage(option: str, value: object, exc: Exception, shown: str) -> pytest.UsageError:
+    """An option error in pytest's usage-error form, naming the option, the value and what is allowed.
+
+    The shared checks start their message with the Python argument (``shown``, e.g. ``timeout=nan``); on
+    the command line the option and the text given are named instead.
+    """
+    detail = str(exc).removeprefix(shown).lstrip(" :")
+    return pytest.UsageError(f"{option}={value!r}: {detail}")
+
+
 def _parse_worlds(value: str) -> tuple[str, ...]:
     from dstest.worlds import WORLD_NAMES  # light: no torch import
 
@@ -39,24 +49,46 @@ def _parse_worlds(value: str) -> tuple[str, ...]:
             f"{OPT_WORLDS}={value!r}: unknown world(s) {unknown or '(none given)'}; "
             f"use a comma-separated list of {', '.join(WORLD_NAMES)}"
         )
+    repeated = sorted({w for w in names if names.count(w) > 1})
+    if repeated:
+        raise pytest.UsageError(f"{OPT_WORLDS}={value!r}: lists {repeated} more than once; give each world once")
     return names
 
 
 def _parse_timeout(value: str) -> float:
+    from dstest.errors import InvalidArgument
+    from dstest.worlds.protocol import MAX_TIMEOUT_S, check_timeout  # light: no torch import
+
     try:
         seconds = float(value)
     except ValueError:
-        seconds = -1.0
-    if seconds <= 0:
-        raise pytest.UsageError(f"{OPT_TIMEOUT}={value!r}: give the per-world timeout in seconds, > 0 (e.g. 60)")
-    return seconds
+        raise pytest.UsageError(
+            f"{OPT_TIMEOUT}={value!r}: give the per-world timeout in seconds, > 0 and <= {MAX_TIMEOUT_S:g} (e.g. 60)"
+        ) from None
+    try:
+        return check_timeout(seconds)
+    except InvalidArgument as exc:
+        raise _usage(OPT_TIMEOUT, value, exc, f"timeout={seconds!r}") from None
+
+
+def _parse_target(value: str) -> str:
+    from dstest.errors import InvalidArgument
+    from dstest.worlds.protocol import check_target  # light: no torch import
+
+    try:
+        return check_target(value)
+    except InvalidArgument as exc:
+        raise _usage(OPT_TARGET, value, exc, f"target={value!r}") from None
 
 
 def _parse_seed(value: str) -> int:
+    from dstest.errors import InvalidArgument
+    from dstest.worlds.protocol import check_seed
+
     try:
-        return int(value)
-    except ValueError:
-        raise pytest.UsageError(f"{OPT_SEED}={value!r}: give an integer seed (e.g. 0)") from None
+        return check_seed(int(value))
+    except (ValueError, InvalidArgument):
+        raise pytest.UsageError(f"{OPT_SEED}={value!r}: give an integer seed >= 0 (e.g. 0)") from None
 
 
 def _parse_mark(value: str) -> str:
@@ -74,9 +106,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="comma-separated worlds to expand every spec to (threaded, threaded-cuda, fake, process, nccl); "
         "default: each spec's own list, else threaded,nccl",
     )
-    group.addoption(OPT_TIMEOUT, type=_parse_timeout, default=60.0, help="seconds before a world is failed with every rank's stack (default 60)")
-    group.addoption(OPT_TARGET, default="impl", help="system under test for the bundled specs: impl (default) or deepspeed")
-    group.addoption(OPT_SEED, type=_parse_seed, default=0, help="base seed of every rank's generator (default 0)")
+    group.addoption(
+        OPT_TIMEOUT,
+        type=_parse_timeout,
+        default=60.0,
+        help="seconds before a world is failed with every rank's stack: > 0, at most 86400 (default 60)",
+    )
+    group.addoption(
+        OPT_TARGET,
+        type=_parse_target,
+        default="impl",
+        help="system under test for the bundled specs: impl (default) or deepspeed",
+    )
+    group.addoption(OPT_SEED, type=_parse_seed, default=0, help="base seed of every rank's generator, an int >= 0 (default 0)")
     group.addoption(
         OPT_MARK_UNMARKED,
         type=_parse_mark,
@@ -92,15 +134,24 @@ def pytest_configure(config: pytest.Config) -> None:
     for name, text in _MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     from dstest import fixtures
+    from dstest.errors import InvalidArgument
     from dstest.specification import Settings
 
     if not config.pluginmanager.is_registered(fixtures):
         config.pluginmanager.register(fixtures, "dstest.fixtures")
-    config.stash[_settings_key] = Settings(
-        timeout=config.getoption(OPT_TIMEOUT),
-        target=config.getoption(OPT_TARGET),
-        seed=config.getoption(OPT_SEED),
-    )
+    # Option values set without the parsers (a conftest's config.option, pytest.main's plugins) are
+    # checked here too: every setting reaches the worlds checked.
+    values = {
+        "timeout": (OPT_TIMEOUT, config.getoption(OPT_TIMEOUT)),
+        "target": (OPT_TARGET, config.getoption(OPT_TARGET)),
+        "seed": (OPT_SEED, config.getoption(OPT_SEED)),
+    }
+    try:
+        config.stash[_settings_key] = Settings(**{key: value for key, (_, value) in values.items()})
+    except InvalidArgument as exc:
+        key = str(exc).partition("=")[0]
+        option, value = values.get(key, (key, None))
+        raise _usage(option, value, exc, f"{key}={value!r}") from None
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -110,12 +161,45 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     info = spec_info(metafunc.function)
     if info is None:
         return
+    _check_placement(metafunc, info)
     worlds = metafunc.config.getoption(OPT_WORLDS) or info.worlds or DEFAULT_WORLDS
     params = [
         pytest.param(case, id=case.id, marks=[getattr(pytest.mark, WORLD_MARKERS[case.world])])
         for case in (Case(world=w, world_size=ws) for w in worlds for ws in info.world_sizes)
     ]
     metafunc.parametrize(CASE_ARG, params)
+
+
+def _check_placement(metafunc: pytest.Metafunc, info: Any) -> None:
+    """A spec in a test class must be a method taking ``self`` first (or a staticmethod)."""
+    import inspect
+
+    from dstest.errors import InvalidSpec
+
+    if metafunc.cls is None or info.method:
+        return
+    name = metafunc.function.__name__
+    if isinstance(inspect.getattr_static(metafunc.cls, name, None), staticmethod):
+        return
+    body = info.source
+    first = next(iter(inspect.signature(body).parameters), "ctx")
+    raise InvalidSpec(
+        f"spec {metafunc.cls.__name__}.{name} is a method of a test class, but its first parameter is "
+        f"{first!r}, not self: write def {name}(self, ctx, ...) (self is the instance pytest makes, ctx the "
+        "rank context), or make it a @staticmethod"
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A skip inside a spec body is reported at the body's line, not inside dstest (``-rs``)."""
+    report = yield
+    excinfo = call.excinfo
+    location = getattr(excinfo.value, "dstest_location", None) if excinfo is not None else None
+    if location is not None and report.skipped and isinstance(report.longrepr, tuple):
+        path, lineno = location
+        report.longrepr = (str(path), int(lineno), report.longrepr[2])
+    return report
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

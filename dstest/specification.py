@@ -19,32 +19,61 @@ Outside pytest, :func:`run` and :func:`run_spec` do the same work.
 from __future__ import annotations
 
 import inspect
+import numbers
+import pickle
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any, TypeVar
 
-from dstest.errors import InvalidArgument, RankFailure
+from dstest.errors import InvalidArgument, InvalidSpec, InvalidWorldSize, RankFailure
+from dstest.worlds.protocol import (
+    check_rank_function,
+    check_run_arguments,
+    check_seed,
+    check_target,
+    check_timeout,
+    check_world_name,
+)
 
 __all__ = ["CASE_ARG", "SETTINGS_ARG", "Case", "Settings", "SpecInfo", "run", "run_spec", "spec", "spec_info"]
 
 CASE_ARG = "dstest_case"
 SETTINGS_ARG = "dstest_settings"
+#: The keyword that carries a spec method's ``self`` to its ranks (see :class:`_Instance`).
+INSTANCE_ARG = "_dstest_instance"
+#: Where pytest's report of a skip should point: ``(path, 1-based line)``, set on the Skipped raised by
+#: :func:`run_spec` and read by the plugin's ``pytest_runtest_makereport``.
+SKIP_LOCATION_ATTR = "dstest_location"
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True, kw_only=True)
 class SpecInfo:
-    """What ``@dstest.spec`` recorded about a spec body."""
+    """What ``@dstest.spec`` recorded about a spec body.
+
+    ``fn`` is what the worlds call as ``fn(ctx, **params)``: the body itself, or for a method of a test
+    class an adapter that calls ``body(self, ctx, **params)`` (``self`` travels in the params under
+    :data:`INSTANCE_ARG`). ``body`` is the function as the user wrote it.
+    """
 
     fn: Callable[..., Any]
     world_sizes: tuple[int, ...]
     worlds: tuple[str, ...] | None
     timeout: float | None
     contract: str | None
+    body: Callable[..., Any] | None = None
+    method: bool = False
 
     @property
     def name(self) -> str:
         return self.fn.__name__
+
+    @property
+    def source(self) -> Callable[..., Any]:
+        """The user's function (where its file and lines are)."""
+        return self.body if self.body is not None else self.fn
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,21 +90,148 @@ class Case:
 
 @dataclass(frozen=True, kw_only=True)
 class Settings:
-    """Run settings shared by every case (from the ``--dstest-*`` options)."""
+    """Run settings shared by every case (from the ``--dstest-*`` options); checked on creation."""
 
     timeout: float = 60.0
     target: str = "impl"
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        check_timeout(self.timeout)
+        check_target(self.target)
+        check_seed(self.seed)
 
-def _as_sizes(world_size: int | Iterable[int]) -> tuple[int, ...]:
-    sizes = (world_size,) if isinstance(world_size, int) else tuple(world_size)
+
+def _as_sizes(world_size: object) -> tuple[int, ...]:
+    if isinstance(world_size, numbers.Integral) and not isinstance(world_size, bool):
+        sizes: tuple[Any, ...] = (world_size,)
+    elif isinstance(world_size, str | bytes) or not isinstance(world_size, Iterable):
+        raise InvalidWorldSize(
+            f"world_size={world_size!r} ({type(world_size).__name__}): give an int >= 1 or a list of them, "
+            "e.g. world_size=[1, 2, 4]"
+        )
+    else:
+        sizes = tuple(world_size)
     if not sizes:
-        raise InvalidArgument("world_size=[] must name at least one world size")
+        raise InvalidWorldSize("world_size=[] must name at least one world size")
     for ws in sizes:
-        if not isinstance(ws, int) or isinstance(ws, bool) or ws < 1:
-            raise InvalidArgument(f"world_size={world_size!r}: each size must be an int >= 1, got {ws!r}")
-    return sizes
+        if not isinstance(ws, numbers.Integral) or isinstance(ws, bool) or ws < 1:
+            raise InvalidWorldSize(f"world_size={world_size!r}: each size must be an int >= 1, got {ws!r}")
+    repeated = sorted({int(ws) for ws in sizes if sizes.count(ws) > 1})
+    if repeated:
+        raise InvalidWorldSize(f"world_size={world_size!r}: lists {repeated} more than once; give each size once")
+    return tuple(int(ws) for ws in sizes)
+
+
+def _as_worlds(worlds: object) -> tuple[str, ...] | None:
+    if worlds is None:
+        return None
+    from dstest.worlds import WORLD_NAMES
+
+    if isinstance(worlds, str | bytes) or not isinstance(worlds, Iterable):
+        raise InvalidArgument(
+            f"worlds={worlds!r}: give a list of world names, e.g. worlds=['threaded']; allowed: {list(WORLD_NAMES)}"
+        )
+    names = tuple(worlds)
+    unknown = [w for w in names if not isinstance(w, str) or w not in WORLD_NAMES]
+    if unknown:
+        raise InvalidArgument(f"worlds={list(names)!r}: unknown {unknown}; allowed: {list(WORLD_NAMES)}")
+    if not names:
+        raise InvalidArgument(f"worlds=[] names no world; leave it out for the default, or pick from {list(WORLD_NAMES)}")
+    repeated = sorted({w for w in names if names.count(w) > 1})
+    if repeated:
+        raise InvalidArgument(f"worlds={list(names)!r}: lists {repeated} more than once; give each world once")
+    return names
+
+
+def _defined_in_class(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` was written in a class body (``Cls.meth``, not ``outer.<locals>.inner``)."""
+    parts = getattr(fn, "__qualname__", "").split(".")
+    return len(parts) >= 2 and parts[-2] != "<locals>"
+
+
+class _Instance:
+    """Carries a spec method's ``self`` to its ranks.
+
+    In-process worlds get the object itself (every rank shares the instance pytest made). For the process
+    world it pickles to bytes and unpickles only when the rank calls the method, after the worker has
+    imported the test module (which ``pickle`` could not find by name on its own).
+    """
+
+    def __init__(self, obj: object) -> None:
+        self._obj = obj
+        self._blob: bytes | None = None
+
+    def get(self) -> object:
+        if self._blob is not None:
+            self._obj, self._blob = pickle.loads(self._blob), None
+        return self._obj
+
+    def __reduce__(self) -> tuple[Callable[[bytes], _Instance], tuple[bytes]]:
+        try:
+            blob = pickle.dumps(self._obj, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise InvalidArgument(
+                f"self={self._obj!r}: the process world sends a spec method's test-class instance to its "
+                f"workers, and this one does not pickle ({type(exc).__name__}: {exc}); keep only picklable "
+                "attributes on self, or make the spec a module-level function"
+            ) from exc
+        return (_instance_from_blob, (blob,))
+
+
+def _instance_from_blob(blob: bytes) -> _Instance:
+    holder = _Instance(None)
+    holder._blob = blob
+    return holder
+
+
+def _method_adapter(body: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn(ctx, **params)`` for the worlds, calling ``body(self, ctx, **params)``.
+
+    It takes the body's module and qualified name, so that the process world finds it by reference through
+    the class attribute (the spec wrapper, whose :class:`SpecInfo` holds this adapter).
+    """
+
+    def call(ctx: Any, *args: Any, **kwargs: Any) -> Any:
+        holder = kwargs.pop(INSTANCE_ARG, None)
+        if not isinstance(holder, _Instance):
+            raise InvalidSpec(
+                f"{body.__qualname__} is a method of a test class: run it through pytest (which makes self), "
+                "not with dstest.run"
+            )
+        return body(holder.get(), ctx, *args, **kwargs)
+
+    for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+        setattr(call, attr, getattr(body, attr))
+    return call
+
+
+def _check_body_parameters(fn: Callable[..., Any], method: bool) -> list[inspect.Parameter]:
+    """The body's parameters after ``(self,) ctx``: the names pytest fills (parametrize, fixtures)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError) as exc:
+        raise InvalidSpec(f"spec {fn!r}: cannot read its signature ({exc})") from None
+    leading = ["self", "ctx"] if method else ["ctx"]
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    head = params[: len(leading)]
+    if len(head) < len(leading) or any(p.kind not in positional for p in head):
+        shape = "(self, ctx, ...)" if method else "(ctx, ...)"
+        raise InvalidSpec(
+            f"spec {fn.__qualname__} must take the rank context as its first positional argument{' after self' if method else ''}: "
+            f"def {fn.__name__}{shape}"
+        )
+    rest = params[len(leading) :]
+    taken = [p.name for p in rest if p.name in (CASE_ARG, SETTINGS_ARG, INSTANCE_ARG)]
+    if taken:
+        raise InvalidSpec(f"spec {fn.__qualname__}: parameter names {taken} are reserved by dstest; rename them")
+    odd = [p.name for p in rest if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY)]
+    if odd:
+        raise InvalidSpec(
+            f"spec {fn.__qualname__}: parameters {odd} cannot be filled by pytest (it passes parametrize values "
+            "and fixtures by name); make them ordinary parameters"
+        )
+    return [p for p in rest if p.kind is not inspect.Parameter.VAR_KEYWORD]
 
 
 def spec(
@@ -88,30 +244,52 @@ def spec(
     """Declare a spec: ``fn(ctx, **params)`` runs on every rank of each (world, world size).
 
     ``worlds`` defaults to :data:`dstest.worlds.DEFAULT_WORLDS` (threaded on CPU, NCCL on GPUs);
+    ``timeout`` (seconds, see :func:`dstest.worlds.protocol.check_timeout`) overrides ``--dstest-timeout``;
     ``contract`` names the SPEC.md line the spec checks (shown in reports).
+
+    In a test class, write ``def test_x(self, ctx, ...)``: ``self`` is the instance pytest made (shared by
+    the ranks of in-process worlds, a pickled copy per rank in the process world), ``ctx`` the rank's
+    context. Generator and ``async def`` bodies are refused (calling them would run nothing).
     """
     sizes = _as_sizes(world_size)
-    if worlds is not None:
-        from dstest.worlds import WORLD_NAMES
-
-        unknown = [w for w in worlds if w not in WORLD_NAMES]
-        if unknown:
-            raise InvalidArgument(f"worlds={list(worlds)!r}: unknown {unknown}; allowed: {list(WORLD_NAMES)}")
-    if timeout is not None and timeout <= 0:
-        raise InvalidArgument(f"timeout={timeout!r} must be > 0 seconds")
+    names = _as_worlds(worlds)
+    seconds = None if timeout is None else check_timeout(timeout)
+    if contract is not None and not isinstance(contract, str):
+        raise InvalidArgument(f"contract={contract!r}: must be a str naming a SPEC.md line (e.g. 'A4'), or None")
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        params = list(inspect.signature(fn).parameters.values())
-        if not params:
-            raise InvalidArgument(f"spec {fn.__qualname__} must take the rank context as its first argument")
+        check_rank_function(fn, "@dstest.spec body")
+        method = _defined_in_class(fn) and next(iter(_signature_names(fn)), None) == "self"
+        rest = _check_body_parameters(fn, method)
         info = SpecInfo(
-            fn=fn, world_sizes=sizes, worlds=tuple(worlds) if worlds else None, timeout=timeout, contract=contract
+            fn=_method_adapter(fn) if method else fn,
+            world_sizes=sizes,
+            worlds=names,
+            timeout=seconds,
+            contract=contract,
+            body=fn,
+            method=method,
         )
 
-        def wrapper(**kwargs: Any) -> None:
-            case = kwargs.pop(CASE_ARG)
-            settings = kwargs.pop(SETTINGS_ARG)
-            run_spec(info, case, settings, kwargs)
+        if method:
+
+            def wrapper(self: Any, /, **kwargs: Any) -> None:
+                case = kwargs.pop(CASE_ARG)
+                settings = kwargs.pop(SETTINGS_ARG)
+                run_spec(info, case, settings, kwargs, instance=self)
+
+        else:
+
+            def wrapper(*args: Any, **kwargs: Any) -> None:  # type: ignore[misc]
+                if args:
+                    raise InvalidSpec(
+                        f"spec {fn.__qualname__} was called with positional arguments {args!r}; a spec in a test "
+                        "class must take self first, then the rank context: def "
+                        f"{fn.__name__}(self, ctx, ...)"
+                    )
+                case = kwargs.pop(CASE_ARG)
+                settings = kwargs.pop(SETTINGS_ARG)
+                run_spec(info, case, settings, kwargs)
 
         # A real pytest function whose arguments are the case, the settings and the body's own
         # parameters after ctx (parametrize names and fixtures). No __wrapped__: pytest must not see
@@ -120,8 +298,10 @@ def spec(
             inspect.Parameter(CASE_ARG, inspect.Parameter.KEYWORD_ONLY),
             inspect.Parameter(SETTINGS_ARG, inspect.Parameter.KEYWORD_ONLY),
         ]
-        rest = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in params[1:]]
-        wrapper.__signature__ = inspect.Signature(hidden + rest)  # type: ignore[attr-defined]
+        # self as an ordinary parameter: pytest drops the first name of a method's signature.
+        first = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] if method else []
+        keyword = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in rest]
+        wrapper.__signature__ = inspect.Signature(first + hidden + keyword)  # type: ignore[attr-defined]
         for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
             setattr(wrapper, attr, getattr(fn, attr))
         wrapper.__dict__.update(fn.__dict__)  # keeps pytest marks applied below the decorator
@@ -131,10 +311,35 @@ def spec(
     return decorate
 
 
+def _signature_names(fn: Callable[..., Any]) -> list[str]:
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
 def spec_info(obj: object) -> SpecInfo | None:
     """The SpecInfo of a spec-decorated function, or None."""
     info = getattr(obj, "__dstest_spec__", None)
     return info if isinstance(info, SpecInfo) else None
+
+
+def _refuse_unrun_results(results: Sequence[Any], fn: Callable[..., Any], *, generators: bool) -> None:
+    """A rank that returned a coroutine (or, for a spec, a generator) ran none of its body: fail loudly."""
+    bad: list[int] = []
+    for rank, value in enumerate(results):
+        if inspect.iscoroutine(value) or inspect.isasyncgen(value) or (generators and inspect.isgenerator(value)):
+            bad.append(rank)
+            close = getattr(value, "close", None)
+            if callable(close) and not inspect.isasyncgen(value):
+                close()  # no "coroutine was never awaited" warning on top of this error
+    if bad:
+        kind = type(results[bad[0]]).__name__
+        label = getattr(fn, "__qualname__", None) or repr(fn)
+        raise InvalidSpec(
+            f"fn={label} returned a {kind} on ranks {bad} instead of running: it wraps a generator or async "
+            "function, whose body only runs when iterated or awaited; make the rank body a plain function"
+        )
 
 
 def run(
@@ -154,14 +359,69 @@ def run(
 
         rank 0: fn(ctx(rank=0)) -> r0      run(fn, 2) == [r0, r1]
         rank 1: fn(ctx(rank=1)) -> r1
+
+    Every argument is checked before anything starts (:mod:`dstest.worlds.protocol`): an unknown world
+    or target, a timeout that is not a finite positive number of seconds (at most a day), a world size
+    that is not an int >= 1, or a generator or ``async def`` ``fn`` raise :class:`InvalidArgument`.
     """
+    info = spec_info(fn)
+    if info is not None:
+        if info.method:
+            raise InvalidSpec(f"{info.source.__qualname__} is a spec method of a test class: run it through pytest")
+        fn = info.fn  # a @dstest.spec function: run its body
+    check_run_arguments(world_size, timeout, fn, args=args, kwargs=kwargs, seed=seed, target=target)
+    check_world_name(world)
     from dstest.worlds import get_world
 
-    return get_world(world).run(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed, target=target)
+    results = get_world(world).run(
+        fn, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed, target=target
+    )
+    _refuse_unrun_results(results, fn, generators=False)
+    return results
 
 
-def run_spec(info: SpecInfo, case: Case, settings: Settings, params: dict[str, Any]) -> list[Any]:
-    """Run one case of a spec; skips (via pytest) when the world cannot host it or every rank skipped."""
+_FRAME_LINE = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in ', re.MULTILINE)
+
+
+def _skip_location(info: SpecInfo, exc: BaseException | None, text: str | None) -> tuple[str, int]:
+    """Where a skip inside a spec happened, as pytest reports it: ``(path, 1-based line)``.
+
+    The innermost frame in the spec body's file: from the rank's traceback object (in-process worlds),
+    else from its formatted traceback (the process world), else the body's ``def`` line.
+    """
+    code = getattr(inspect.unwrap(info.source), "__code__", None)
+    if code is None:
+        return ("<unknown>", 0)
+    path = code.co_filename
+    found: int | None = None
+    tb: TracebackType | None = exc.__traceback__ if exc is not None else None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == path:
+            found = tb.tb_lineno
+        tb = tb.tb_next
+    if found is None and text:
+        lines = [int(m["line"]) for m in _FRAME_LINE.finditer(text) if m["path"] == path]
+        found = lines[-1] if lines else None
+    return (path, found if found is not None else code.co_firstlineno)
+
+
+def _skip(reason: str, location: tuple[str, int]) -> None:
+    """``pytest.skip(reason)``, reported at ``location`` (see the plugin's makereport hook)."""
+    import pytest
+
+    exc = pytest.skip.Exception(reason, allow_module_level=False)
+    setattr(exc, SKIP_LOCATION_ATTR, location)
+    raise exc
+
+
+def run_spec(
+    info: SpecInfo, case: Case, settings: Settings, params: dict[str, Any], *, instance: object = None
+) -> list[Any]:
+    """Run one case of a spec; skips (via pytest) when the world cannot host it or every rank skipped.
+
+    ``instance`` is the test-class instance of a spec method (``self``). A skip is reported at the spec
+    body's line, not here.
+    """
     import pytest
 
     from dstest.worlds import get_world
@@ -169,21 +429,31 @@ def run_spec(info: SpecInfo, case: Case, settings: Settings, params: dict[str, A
     world = get_world(case.world)
     reason = world.unavailable_reason(case.world_size)
     if reason is not None:
-        pytest.skip(reason)
+        _skip(reason, _skip_location(info, None, None))
+    kwargs = dict(params)
+    if info.method:
+        kwargs[INSTANCE_ARG] = _Instance(instance)
+    timeout = info.timeout or settings.timeout
+    check_run_arguments(
+        case.world_size, timeout, info.fn, kwargs=kwargs, seed=settings.seed, target=settings.target
+    )
     try:
-        return world.run(
+        results = world.run(
             info.fn,
             case.world_size,
-            kwargs=params,
-            timeout=info.timeout or settings.timeout,
+            kwargs=kwargs,
+            timeout=timeout,
             seed=settings.seed,
             target=settings.target,
         )
     except RankFailure as failure:
         from dstest.errors import WorldAborted
 
-        primary = [e for e in failure.exceptions.values() if not isinstance(e, WorldAborted)]
-        skipped = [e for e in primary if isinstance(e, pytest.skip.Exception)]
+        primary = {r: e for r, e in failure.exceptions.items() if not isinstance(e, WorldAborted)}
+        skipped = {r: e for r, e in primary.items() if isinstance(e, pytest.skip.Exception)}
         if skipped and len(skipped) == len(primary):
-            pytest.skip(str(skipped[0]))
+            rank, first = next(iter(skipped.items()))
+            _skip(str(first), _skip_location(info, first, failure.failures.get(rank)))
         raise
+    _refuse_unrun_results(results, info.source, generators=True)
+    return results

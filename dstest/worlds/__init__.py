@@ -36,10 +36,10 @@ DEFAULT_WORLDS = ("threaded", "nccl")
 
 def get_world(name: str) -> World:
     """A world by name (see the table above); worlds are cheap to create, state lives in ``run``."""
-    try:
-        module, attr, kwargs = _FACTORIES[name]
-    except KeyError:
-        raise InvalidArgument(f"world={name!r} is unknown; allowed: {list(WORLD_NAMES)}") from None
+    entry = _FACTORIES.get(name) if isinstance(name, str) else None
+    if entry is None:
+        raise InvalidArgument(f"world={name!r} is unknown; allowed: {list(WORLD_NAMES)}")
+    module, attr, kwargs = entry
     factory = getattr(importlib.import_module(module), attr)
     world: World = factory(**kwargs)
     return world

@@ -1,21 +1,154 @@
-"""The interface every world implements."""
+"""The interface every world implements, and the argument checks every entry point shares.
+
+The checks here are the single source of what dstest accepts as a timeout, a world size, a seed, a world
+or target name and a rank function; ``dstest.run``, ``@dstest.spec``, the fixtures, the ``--dstest-*``
+options, the ``dstest`` CLI and every ``World.run`` call them. They import neither torch nor the worlds,
+so the pytest plugin can use them at configure time. Each raises :class:`dstest.errors.InvalidArgument`
+(or :class:`~dstest.errors.InvalidWorldSize`) with a message naming the argument, the value received and
+what is allowed (SPEC.md, "clear error").
+"""
 
 from __future__ import annotations
 
+import inspect
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from dstest.errors import InvalidArgument, InvalidWorldSize
+from dstest.errors import InvalidArgument, InvalidSpec, InvalidWorldSize
 
-__all__ = ["World", "check_run_arguments"]
+__all__ = [
+    "MAX_TIMEOUT_S",
+    "TARGET_NAMES",
+    "World",
+    "check_rank_function",
+    "check_run_arguments",
+    "check_seed",
+    "check_target",
+    "check_timeout",
+    "check_world_name",
+    "check_world_size",
+]
+
+#: The longest timeout dstest accepts, in seconds (one day). A world that needs longer is a mistake, and
+#: far larger values (1e12) overflow ``threading`` waits and ``datetime.timedelta`` inside the worlds.
+MAX_TIMEOUT_S = 86_400.0
+
+#: The names :func:`dstest.targets.get_target` knows, kept here so that the plugin can check
+#: ``--dstest-target`` without importing the targets (which import torch). A test keeps the two equal.
+TARGET_NAMES = ("impl", "deepspeed")
 
 
-def check_run_arguments(world_size: object, timeout: float) -> None:
-    """The checks every ``World.run`` makes before it starts anything."""
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise InvalidWorldSize(f"world_size={world_size!r} must be an int >= 1")
-    if timeout <= 0:
-        raise InvalidArgument(f"timeout={timeout!r} must be > 0 seconds")
+def _kind(value: object) -> str:
+    return type(value).__name__
+
+
+def check_timeout(value: object, name: str = "timeout") -> float:
+    """``value`` as a float number of seconds: a real number, finite, > 0 and <= :data:`MAX_TIMEOUT_S`.
+
+    Booleans and strings (even ``"10"``) are refused; ``name`` is the argument the message names.
+    """
+    allowed = f"allowed: a finite number of seconds, > 0 and <= {MAX_TIMEOUT_S:g} (e.g. 60)"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgument(f"{name}={value!r}: a {_kind(value)} is not a number of seconds; {allowed}")
+    seconds = float(value)
+    if math.isnan(seconds):
+        raise InvalidArgument(f"{name}={value!r}: NaN is not a number of seconds; {allowed}")
+    if seconds <= 0:
+        raise InvalidArgument(f"{name}={value!r}: must be > 0 seconds; {allowed}")
+    if seconds > MAX_TIMEOUT_S:
+        raise InvalidArgument(f"{name}={value!r}: more than the maximum of {MAX_TIMEOUT_S:g} s (one day); {allowed}")
+    return seconds
+
+
+def check_world_size(value: object, name: str = "world_size") -> int:
+    """``value`` as an int >= 1 (booleans and floats such as 2.0 or 2.5 are refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidWorldSize(f"{name}={value!r} must be an int >= 1, got a {_kind(value)}")
+    if value < 1:
+        raise InvalidWorldSize(f"{name}={value!r} must be an int >= 1")
+    return int(value)
+
+
+def check_seed(value: object, name: str = "seed") -> int:
+    """``value`` as an int >= 0 (numpy's generators, ``ctx.numpy_rng()``, refuse negative seeds)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidArgument(f"{name}={value!r}: must be an int >= 0 (e.g. 0), got a {_kind(value)}")
+    if value < 0:
+        raise InvalidArgument(f"{name}={value!r}: must be an int >= 0 (e.g. 0)")
+    return int(value)
+
+
+def check_target(value: object, name: str = "target") -> str:
+    """``value`` if it names a known system under test (:data:`TARGET_NAMES`)."""
+    if not isinstance(value, str) or value not in TARGET_NAMES:
+        raise InvalidArgument(f"{name}={value!r}: unknown target; allowed: {', '.join(TARGET_NAMES)}")
+    return value
+
+
+def check_world_name(value: object, name: str = "world") -> str:
+    """``value`` if it names a known world (:data:`dstest.worlds.WORLD_NAMES`)."""
+    from dstest.worlds import WORLD_NAMES  # the package imports this module; its names are light
+
+    if not isinstance(value, str) or value not in WORLD_NAMES:
+        raise InvalidArgument(f"{name}={value!r}: unknown world; allowed: {', '.join(WORLD_NAMES)}")
+    return value
+
+
+def check_rank_function(fn: object, name: str = "fn") -> None:
+    """Refuse what cannot be a rank body: non-callables, generator functions and ``async def`` functions.
+
+    Calling a generator or coroutine function only creates a generator or coroutine; none of its body
+    would run, and the run would pass without having tested anything.
+    """
+    if not callable(fn):
+        raise InvalidArgument(f"{name}={fn!r} ({_kind(fn)}): must be a function taking the rank context")
+    what = None
+    if inspect.isasyncgenfunction(fn):
+        what = "an async generator function (async def with yield)"
+    elif inspect.iscoroutinefunction(fn):
+        what = "a coroutine function (async def)"
+    elif inspect.isgeneratorfunction(fn):
+        what = "a generator function (it contains yield)"
+    if what is not None:
+        label = getattr(fn, "__qualname__", None) or repr(fn)
+        shown = f"{name}={label}" if name.isidentifier() else f"{name} {label}"
+        raise InvalidSpec(
+            f"{shown} is {what}: calling it would not run its body, so the run would pass "
+            "without testing anything; dstest runs plain functions only (run any async code with "
+            "asyncio.run inside the body, and do not yield)"
+        )
+
+
+def check_run_arguments(
+    world_size: object,
+    timeout: object,
+    fn: object = None,
+    *,
+    args: object = None,
+    kwargs: object = None,
+    seed: object = None,
+    target: object = None,
+) -> None:
+    """The checks every ``World.run`` makes before it starts anything.
+
+    ``fn``, ``args``, ``kwargs``, ``seed`` and ``target`` are checked when given (not None), so that older
+    call sites passing only ``(world_size, timeout)`` keep working.
+    """
+    check_world_size(world_size)
+    check_timeout(timeout)
+    if fn is not None:
+        check_rank_function(fn)
+    if args is not None and (isinstance(args, str | bytes) or not isinstance(args, Sequence)):
+        raise InvalidArgument(f"args={args!r} ({_kind(args)}): must be a tuple or list of positional arguments")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise InvalidArgument(f"kwargs={kwargs!r}: must be a dict with str keys, or None")
+    if seed is not None:
+        check_seed(seed)
+    if target is not None:
+        check_target(target)
 
 
 @runtime_checkable
