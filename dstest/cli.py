@@ -242,25 +242,44 @@ def _sizes(text: str) -> list[int]:
         sizes = []
     if not sizes or any(s < 1 for s in sizes):
         raise argparse.ArgumentTypeError(f"--world-sizes={text!r}: give comma-separated ints >= 1, e.g. 1,2,3")
+    if len(set(sizes)) != len(sizes):
+        raise argparse.ArgumentTypeError(f"--world-sizes={text!r}: give each size once, e.g. 1,2,3")
     return sizes
+
+
+def _timeout(text: str) -> float:
+    """``--timeout``: a finite number of seconds, > 0 and at most a day (the check every run makes)."""
+    from dstest.errors import InvalidArgument
+    from dstest.worlds.protocol import MAX_TIMEOUT_S, check_timeout
+
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--timeout={text!r}: give seconds per world run, > 0 and <= {MAX_TIMEOUT_S:g} (e.g. 120)"
+        ) from None
+    try:
+        return check_timeout(seconds)
+    except InvalidArgument as exc:
+        detail = str(exc).removeprefix(f"timeout={seconds!r}").lstrip(" :")
+        raise argparse.ArgumentTypeError(f"--timeout={text!r}: {detail}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from dstest.worlds import WORLD_NAMES
+    from dstest.worlds.protocol import TARGET_NAMES
 
     parser = argparse.ArgumentParser(prog="dstest", description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--target", action="append", choices=["impl", "deepspeed"], help="system under test (repeatable; default impl)")
+    parser.add_argument("--target", action="append", choices=list(TARGET_NAMES), help="system under test (repeatable; default impl)")
     parser.add_argument("--world", action="append", choices=list(WORLD_NAMES), help="world to run in (repeatable; default threaded)")
     parser.add_argument("--world-sizes", type=_sizes, default=None, help="override every spec's world sizes, e.g. 1,2,3")
     parser.add_argument("-k", "--spec", default="*", help="glob over spec names or contracts, e.g. 'B*' or '*sum*'")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per world run (default 120)")
+    parser.add_argument("--timeout", type=_timeout, default=120.0, help="seconds per world run, > 0 and <= 86400 (default 120)")
     parser.add_argument("--json", metavar="PATH", help="write every result as JSON")
     parser.add_argument("--junit", metavar="PATH", help="write JUnit XML")
     parser.add_argument("--fail-on-deviation", action="store_true", help="exit 1 when a third-party target deviates")
     parser.add_argument("--list", action="store_true", help="list the specs and exit")
     args = parser.parse_args(argv)
-    if args.timeout <= 0:
-        parser.error(f"--timeout={args.timeout!r} must be > 0 seconds")
 
     items = discover(args.spec)
     if args.list:

@@ -13,6 +13,9 @@ import pytest
 
 __all__ = ["dstest_run", "dstest_settings", "dstest_shards", "dstest_topologies", "dstest_world"]
 
+#: The keywords ``dstest_run`` passes on to :func:`dstest.run`.
+_RUN_OPTIONS = frozenset({"world", "args", "kwargs", "timeout", "seed", "target"})
+
 
 @pytest.fixture
 def dstest_settings(request: pytest.FixtureRequest) -> Any:
@@ -26,11 +29,19 @@ def dstest_settings(request: pytest.FixtureRequest) -> Any:
 def dstest_run(dstest_settings: Any) -> Callable[..., list[Any]]:
     """``dstest_run(fn, world_size=3, world="threaded")`` -> per-rank results of ``fn(ctx)``.
 
-    Same as :func:`dstest.run`, with the timeout, target and seed of the command line as defaults.
+    Same as :func:`dstest.run` (and checked as strictly), with the timeout, target and seed of the command
+    line as defaults.
     """
+    from dstest.errors import InvalidArgument
     from dstest.specification import run
 
     def runner(fn: Callable[..., Any], world_size: int, **kwargs: Any) -> list[Any]:
+        unknown = sorted(set(kwargs) - _RUN_OPTIONS)
+        if unknown:
+            raise InvalidArgument(
+                f"dstest_run(..., {', '.join(f'{k}=' for k in unknown)}): unknown keyword(s) {unknown}; "
+                f"allowed: {sorted(_RUN_OPTIONS)}"
+            )
         kwargs.setdefault("timeout", dstest_settings.timeout)
         kwargs.setdefault("target", dstest_settings.target)
         kwargs.setdefault("seed", dstest_settings.seed)
@@ -41,7 +52,10 @@ def dstest_run(dstest_settings: Any) -> Callable[..., list[Any]]:
 
 @pytest.fixture
 def dstest_world() -> Callable[[str], Any]:
-    """A world factory: ``dstest_world("threaded").run(fn, 4)`` (see :func:`dstest.get_world`)."""
+    """A world factory: ``dstest_world("threaded").run(fn, 4)`` (see :func:`dstest.get_world`).
+
+    Unknown names raise :class:`dstest.InvalidArgument`; each world's ``run`` checks its arguments.
+    """
     from dstest.worlds import get_world
 
     return get_world
