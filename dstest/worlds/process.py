@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import importlib
 import importlib.util
 import itertools
@@ -44,12 +45,21 @@ import tempfile
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, NamedTuple
 
-from dstest.errors import InvalidArgument, RankFailure, WorkerDied, WorldAborted, WorldTimeout
+from dstest.errors import (
+    CollectiveMismatch,
+    InvalidArgument,
+    RankFailure,
+    UnfinishedWork,
+    WorkerDied,
+    WorldAborted,
+    WorldTimeout,
+)
 from dstest.worlds.protocol import check_run_arguments
 
 __all__ = ["FAILURE_GRACE", "POOL_START_TIMEOUT", "ProcessWorld", "pool_pids", "shutdown_all"]
@@ -128,11 +138,609 @@ class RemoteRankError(Exception):
 
 
 # ------------------------------------------------------------------------------------------------------
+# Cross-rank checking, worker side
+# ------------------------------------------------------------------------------------------------------
+#
+# gloo checks almost nothing across ranks: a shape, op, root or group-order mismatch hangs, a dtype
+# mismatch aborts the process. So in a gloo pool every process group a run uses is a ``_CheckedGroup``, a
+# Python ProcessGroup (registered as the c10d backend ``dstest_gloo``) that forwards to a real
+# ProcessGroupGloo only after the parent's referee (``_Referee``) saw every rank's side of the call and
+# found that they match. torch's TORCH_DISTRIBUTED_DEBUG=DETAIL wrapper does a similar check with a
+# monitored barrier and a fingerprint all-gather over a helper gloo group; that only tells a rank that
+# *its* call differs, needs every rank to reach the check (a skipped collective still hangs), and cannot
+# see a rank that finished. The referee sees all ranks at once: who posted what, who waits, who finished.
+#
+#   rank r                                   parent (referee, inside the run's wait loop)
+#   dist.all_reduce(t)
+#     -> post(group, seq, Call of metadata) ---> compare with the other ranks' calls of (group, seq)
+#     <- "ok" (once all posted) | error   <---- mismatch / a member finished / deadlock -> error to all
+#   listener thread: "ok" -> issue the gloo op; wait() waits for it
+#
+# A call is issued to gloo only once every rank of its group posted a matching one, so gloo never sees
+# an unmatched or mismatched call, and work that a run leaves unmatched cannot leak into the next run.
+# Issuing happens on the listener thread, in verdict order (per group: sequence order), so async calls
+# keep their meaning: they start when every rank has posted them, whether or not anyone waits yet.
+
+_CHECKED_BACKEND = "dstest_gloo"
+_CHECK_DRAIN_S = 10.0  # seconds a rank waits, at the end of a run, for matched work still in flight
+_CHECK_ACK_S = 30.0  # seconds a rank waits for the referee to acknowledge the end of its run
+
+
+class _Dev(NamedTuple):
+    type: str
+
+
+class _Meta(NamedTuple):
+    """What the check needs of a tensor (dtype, shape, device type); pickles in microseconds."""
+
+    dtype: Any
+    shape: tuple[int, ...]
+    device: _Dev
+
+    @classmethod
+    def of(cls, t: Any) -> _Meta:
+        return cls(t.dtype, tuple(t.shape), _Dev(t.device.type))
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+class _Record:
+    """One posted call of this rank: its verdict, the gloo work issued for it, whether anyone waited."""
+
+    __slots__ = ("callbacks", "error", "event", "inner", "issue", "issue_error", "post_id", "waited", "what")
+
+    def __init__(self, post_id: int, what: str, issue: Callable[[], Any]) -> None:
+        self.post_id = post_id
+        self.what = what  # "all_reduce(float32[4]@cpu, op=sum) on group world (seq 3)"
+        self.issue = issue
+        self.event = threading.Event()
+        self.error: tuple[str, str] | None = None  # (kind, message) from the referee
+        self.inner: Any = None  # the gloo Work, once issued
+        self.issue_error: BaseException | None = None  # gloo refused the call when it was issued
+        self.waited = False
+        self.callbacks: list[Callable[[], None]] = []
+
+
+def _check_error(kind: str, message: str) -> BaseException:
+    if kind == "aborted":
+        return WorldAborted(message)
+    return CollectiveMismatch(message)
+
+
+class _Checker:
+    """This worker's side of the check: posts calls, receives verdicts, issues matched calls to gloo."""
+
+    def __init__(self, conn: Connection, rank: int, world_size: int) -> None:
+        self.conn = conn
+        self.rank = rank
+        self.world_size = world_size
+        self.send_lock = threading.Lock()
+        self.lock = threading.Lock()
+        self.run_id = 0  # 0: between runs, calls go straight to gloo (the pool's warm-up all_reduce)
+        self.records: dict[int, _Record] = {}
+        self.posted: list[_Record] = []
+        self.raised: list[str] = []  # mismatches raised on this rank during the run
+        self.next_id = 0
+        self.acked = threading.Event()
+        self.listener = threading.Thread(target=self._listen, name="dstest-check-listener", daemon=True)
+        self.listener.start()
+
+    @property
+    def active(self) -> bool:
+        return self.run_id != 0
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        blob = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        with self.send_lock:
+            self.conn.send_bytes(blob)
+
+    # -- runs -------------------------------------------------------------------------------------------
+    def begin(self, run_id: int) -> None:
+        with self.lock:
+            self.run_id = run_id
+            self.records.clear()
+            self.posted = []
+            self.raised = []
+            self.next_id = 0
+            self.acked.clear()
+
+    def end(self, failure: BaseException | None) -> tuple[BaseException | None, str | None]:
+        """Close this rank's run with the referee; returns (the error the run must fail with, why the
+        worker is unusable), both None when everything this rank posted was matched and waited."""
+        summary = "" if failure is None else f"{type(failure).__name__}: {failure}".splitlines()[0][:300]
+        try:
+            self._send(("done", self.run_id, failure is None, summary))
+        except (EOFError, OSError):
+            self.run_id = 0
+            return None, "the check channel to the parent is closed"
+        acked = self.acked.wait(_CHECK_ACK_S)
+        with self.lock:
+            posted = list(self.posted)
+            raised = list(self.raised)
+            self.run_id = 0  # late verdicts of this run are dropped from here on
+        unhealthy = None if acked else f"the referee did not acknowledge the end of the run within {_CHECK_ACK_S:g} s"
+        problems: list[str] = []
+        for rec in posted:
+            if not rec.event.is_set():
+                problems.append(
+                    f"{rec.what} was not matched by the other ranks it needs before the function returned, "
+                    f"and never waited (nothing of it reached gloo)"
+                )
+                continue
+            if rec.inner is not None and not rec.waited:
+                # Matched, so every rank issued it and it completes: let it finish before the next run.
+                # Never a second wait on waited work: gloo closes the pair when that one times out.
+                try:
+                    rec.inner.wait(datetime.timedelta(seconds=_CHECK_DRAIN_S))
+                except Exception as exc:
+                    unhealthy = unhealthy or f"{rec.what} did not complete at the end of the run: {exc}"
+            if not rec.waited:
+                if rec.error is not None:
+                    problems.append(f"{rec.what} failed and was never waited: {rec.error[1].splitlines()[0]}")
+                else:
+                    problems.append(f"{rec.what} was never waited (async_op=True, isend or irecv without wait())")
+        if failure is not None:
+            return None, unhealthy
+        if problems:
+            return (
+                UnfinishedWork(
+                    f"rank {self.rank} finished its function with work left behind: " + "; ".join(problems)
+                ),
+                unhealthy,
+            )
+        if raised:
+            return (
+                CollectiveMismatch(
+                    f"rank {self.rank}: a collective mismatch was raised and caught by the code under test, "
+                    f"which then finished normally; the world still fails: {raised[0]}"
+                ),
+                unhealthy,
+            )
+        return None, unhealthy
+
+    # -- posting ------------------------------------------------------------------------------------------
+    def post(self, msg: tuple[Any, ...], what: str, issue: Callable[[], Any]) -> _Record:
+        """Send one call's description (``msg`` without run and post ids) and return its record."""
+        with self.lock:
+            self.next_id += 1
+            rec = _Record(self.next_id, what, issue)
+            self.records[rec.post_id] = rec
+            self.posted.append(rec)
+            run_id = self.run_id
+        self._send((msg[0], run_id, rec.post_id, *msg[1:]))
+        return rec
+
+    def wait_verdict(self, rec: _Record) -> None:
+        rec.waited = True
+        if not rec.event.is_set():
+            with contextlib.suppress(EOFError, OSError):
+                self._send(("wait", self.run_id, rec.post_id))
+            rec.event.wait()
+        if rec.error is not None:
+            if rec.error[0] != "aborted":
+                with self.lock:
+                    self.raised.append(rec.error[1].splitlines()[0])
+            raise _check_error(*rec.error)
+        if rec.issue_error is not None:
+            raise rec.issue_error
+
+    # -- verdicts -----------------------------------------------------------------------------------------
+    def _listen(self) -> None:
+        while True:
+            try:
+                msg = pickle.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                return
+            kind, run_id = msg[0], msg[1]
+            if run_id != self.run_id:
+                continue  # a verdict of an earlier run
+            if kind == "ack":
+                self.acked.set()
+                continue
+            rec = self.records.pop(msg[2], None)
+            if rec is None:
+                continue
+            if kind == "ok":
+                try:
+                    rec.inner = rec.issue()
+                except Exception as exc:
+                    rec.issue_error = exc
+            else:
+                rec.error = (msg[3], msg[4])
+            with self.lock:
+                rec.event.set()
+                callbacks = list(rec.callbacks)
+            for cb in callbacks:
+                with contextlib.suppress(Exception):
+                    cb()
+
+
+_CHECKER: _Checker | None = None  # this worker's checker (set once in _worker_main, gloo pools only)
+
+
+def _install_checking(checker: _Checker) -> None:
+    """Make every gloo group this worker creates a ``_CheckedGroup`` that still reports itself as gloo.
+
+    torch-internal: registers the backend and wraps ``distributed_c10d._new_process_group_helper`` (the
+    one function every group creation goes through: init_process_group, new_group, new_subgroups,
+    DeviceMesh) so that a request for "gloo" builds the checked backend, and then puts "gloo" back as the
+    group's backend name, so that ``dist.get_backend()`` and code that branches on it see gloo.
+    """
+    global _CHECKER
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    _CHECKER = checker
+    dist.Backend.register_backend(_CHECKED_BACKEND, _create_checked_group, extended_api=True, devices=["cpu"])
+    original = c10d._new_process_group_helper
+    gloo_config = str(c10d.BackendConfig(dist.Backend("gloo")))
+
+    def helper(group_size: int, group_rank: int, global_ranks: list[int], backend: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(backend) == "gloo":
+            backend = _CHECKED_BACKEND
+        pg, store = original(group_size, group_rank, global_ranks, backend, *args, **kwargs)
+        if isinstance(pg, _checked_group_class()):
+            c10d._world.pg_map[pg] = ("gloo", c10d._world.pg_map[pg][1])
+            c10d._world.pg_backend_config[pg] = gloo_config
+        return pg, store
+
+    c10d._new_process_group_helper = helper
+
+
+def _create_checked_group(opts: Any, pg_options: Any) -> Any:
+    from torch._C import _distributed_c10d as c10d_c
+
+    inner = c10d_c.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+    with contextlib.suppress(Exception):
+        inner._set_sequence_number_for_group()  # as torch does for its own gloo groups
+    assert _CHECKER is not None
+    members = tuple(opts.global_ranks_in_group) or tuple(range(opts.group_size))
+    return _checked_group_class()(inner, opts.group_rank, opts.group_size, members, str(opts.group_id), _CHECKER)
+
+
+def _make_checked_group_class() -> type:
+    """Build ``_CheckedGroup`` on first use: its base classes come from torch, which this module does
+    not import at import time."""
+    import torch
+    import torch.distributed as dist
+    from torch._C import _distributed_c10d as c10d_c
+
+    from dstest.worlds import _collectives as C
+    from dstest.worlds import _compat
+
+    class CheckedWork(dist._Work):  # type: ignore[misc, name-defined]
+        """The handle of a checked call: waits for the verdict, then for the gloo work issued on it."""
+
+        def __init__(self, checker: _Checker, rec: _Record) -> None:
+            super().__init__()
+            self._checker = checker
+            self._rec = rec
+
+        def wait(self, timeout: Any = None) -> bool:
+            rec = self._rec
+            self._checker.wait_verdict(rec)
+            if rec.inner is None:
+                return True
+            return bool(rec.inner.wait() if timeout is None else rec.inner.wait(timeout))
+
+        def is_completed(self) -> bool:
+            rec = self._rec
+            done = rec.event.is_set() and (rec.inner is None or bool(rec.inner.is_completed()))
+            if done:
+                rec.waited = True
+            return done
+
+        def is_success(self) -> bool:
+            rec = self._rec
+            return self.is_completed() and rec.error is None and rec.issue_error is None
+
+        def exception(self) -> BaseException | None:
+            rec = self._rec
+            if rec.error is not None:
+                return _check_error(*rec.error)
+            return rec.issue_error
+
+        def result(self) -> list[Any]:
+            rec = self._rec
+            return list(rec.inner.result()) if rec.inner is not None else []
+
+        def source_rank(self) -> int:
+            return int(self._rec.inner.source_rank()) if self._rec.inner is not None else -1
+
+        def synchronize(self) -> None:
+            self.wait()
+
+        def get_future(self) -> Any:
+            rec = self._rec
+            rec.waited = True
+            fut: Any = torch.futures.Future()
+
+            def resolve() -> None:
+                if rec.error is not None:
+                    fut.set_exception(_check_error(*rec.error))
+                elif rec.issue_error is not None:
+                    fut.set_exception(rec.issue_error)
+                elif rec.inner is None:
+                    fut.set_result([])
+                else:
+                    def forward(inner_fut: Any) -> None:
+                        try:
+                            fut.set_result(inner_fut.value())
+                        except Exception as exc:
+                            fut.set_exception(exc)
+
+                    rec.inner.get_future().add_done_callback(forward)
+
+            with self._checker.lock:
+                if not rec.event.is_set():
+                    rec.callbacks.append(resolve)
+                    return fut
+            resolve()
+            return fut
+
+    class DoneWork(dist._Work):  # type: ignore[misc, name-defined]
+        """Already complete: the coalesced forms, which wait for their parts before returning."""
+
+        def __init__(self, tensors: list[Any]) -> None:
+            super().__init__()
+            self._tensors = tensors
+
+        def wait(self, timeout: Any = None) -> bool:
+            return True
+
+        def is_completed(self) -> bool:
+            return True
+
+        def result(self) -> list[Any]:
+            return self._tensors
+
+        def get_future(self) -> Any:
+            fut: Any = torch.futures.Future()
+            fut.set_result(self._tensors)
+            return fut
+
+    def metas(ts: Sequence[Any]) -> list[_Meta]:
+        return [_Meta.of(t) for t in ts]
+
+    class CheckedGroup(dist.ProcessGroup):
+        """One rank's handle on one group of a gloo pool: every call is checked across ranks, then gloo runs it.
+
+        Between runs (the pool's own warm-up) calls go straight to gloo.
+        """
+
+        def __init__(
+            self, inner: Any, rank: int, size: int, members: tuple[int, ...], gid: str, checker: _Checker
+        ) -> None:
+            super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) overload has no stub
+            self.inner = inner
+            self.rank_ = rank
+            self.size_ = size
+            self.members = members
+            self.gid = gid
+            self.checker = checker
+            self.seq = 0
+            self.seq_run = 0  # the run the sequence numbers count in (the world group outlives runs)
+            self._group_name = ""
+            self._group_desc = ""
+            self.label = "world" if gid == "0" and len(members) == checker.world_size else f"{gid} {list(members)}"
+
+        # -- what torch asks of a group ------------------------------------------------------------------
+        def getGroupName(self) -> str:
+            return self._group_name
+
+        def setGroupName(self, name: str) -> None:
+            self._group_name = name
+
+        def getGroupDesc(self) -> str:
+            return self._group_desc
+
+        def setGroupDesc(self, desc: str) -> None:
+            self._group_desc = desc
+
+        @property
+        def group_name(self) -> str:
+            return self._group_name
+
+        @property
+        def group_desc(self) -> str:
+            return self._group_desc
+
+        def _get_backend(self, device: Any) -> Any:  # type: ignore[override]
+            return self
+
+        def getBackendName(self) -> str:
+            return "gloo"
+
+        def name(self) -> str:
+            return "gloo"
+
+        def shutdown(self) -> None:
+            pass
+
+        # -- checking --------------------------------------------------------------------------------------
+        def _next_seq(self) -> int:
+            if self.seq_run != self.checker.run_id:
+                self.seq_run, self.seq = self.checker.run_id, 0
+            self.seq += 1
+            return self.seq
+
+        def _post(self, call: Any, issue: Callable[[], Any]) -> Any:
+            checker = self.checker
+            if not checker.active:
+                return issue()
+            call.check_local()
+            seq = self._next_seq()
+            what = f"{call.describe()} on group {self.label} (seq {seq})"
+            rec = checker.post(("post", self.gid, self.members, seq, call), what, issue)
+            return CheckedWork(checker, rec)
+
+        def _p2p(self, kind: str, t: Any, peer: int, tag: int, issue: Callable[[], Any]) -> Any:
+            checker = self.checker
+            if not checker.active:
+                return issue()
+            if not 0 <= peer < self.size_:
+                raise InvalidArgument(
+                    f"{kind}: peer rank {peer} is not in group {self.label} (group ranks 0..{self.size_ - 1})"
+                )
+            arrow = "to" if kind == "send" else "from"
+            what = (
+                f"{kind}({C.describe_tensor(t)} {arrow} rank {self.members[peer]}, tag={tag}) on group {self.label}"
+            )
+            msg = ("p2p", self.gid, self.members, kind, self.rank_, peer, tag, _Meta.of(t), what)
+            return CheckedWork(checker, checker.post(msg, what, issue))
+
+        def _op(self, opts: Any) -> str:
+            return _compat.reduce_op_name(opts.reduceOp)
+
+        # -- collectives (signatures as c10d calls them) ---------------------------------------------------
+        def allreduce(self, tensors: list[Any], opts: Any = None) -> Any:  # type: ignore[override]
+            opts = opts if opts is not None else c10d_c.AllreduceOptions()
+            t = C._one(tensors, "all_reduce")
+            call = C.AllReduce(self.rank_, self.size_, _Meta.of(t), self._op(opts))
+            return self._post(call, lambda: self.inner.allreduce(tensors, opts))
+
+        def allreduce_coalesced(self, tensors: list[Any], opts: Any = None) -> Any:  # type: ignore[override]
+            opts = opts if opts is not None else c10d_c.AllreduceCoalescedOptions()
+            n = sum(t.numel() for t in tensors)
+            dtype = tensors[0].dtype if tensors else torch.float32
+            call = C.AllReduce(self.rank_, self.size_, _Meta(dtype, (n,), _Dev("cpu")), self._op(opts))
+            return self._post(call, lambda: self.inner.allreduce_coalesced(tensors, opts))
+
+        def broadcast(self, tensors: list[Any], opts: Any = None) -> Any:  # type: ignore[override]
+            opts = opts if opts is not None else c10d_c.BroadcastOptions()
+            t = C._one(tensors, "broadcast")
+            call = C.Broadcast(self.rank_, self.size_, _Meta.of(t), int(opts.rootRank))
+            return self._post(call, lambda: self.inner.broadcast(tensors, opts))
+
+        def reduce(self, tensors: list[Any], opts: Any = None) -> Any:  # type: ignore[override]
+            opts = opts if opts is not None else c10d_c.ReduceOptions()
+            t = C._one(tensors, "reduce")
+            call = C.Reduce(self.rank_, self.size_, _Meta.of(t), self._op(opts), int(opts.rootRank))
+            return self._post(call, lambda: self.inner.reduce(tensors, opts))
+
+        def allgather(self, outputs: list[list[Any]], inputs: list[Any], opts: Any = None) -> Any:  # type: ignore[override]
+            opts = opts if opts is not None else c10d_c.AllgatherOptions()
+            t = C._one(inputs, "all_gather")
+            call = C.AllGather(self.rank_, self.size_, metas(outputs[0]), _Meta.of(t))
+            return self._post(call, lambda: self.inner.allgather(outputs, inputs, opts))
+
+        def _allgather_base(self, output: Any, inp: Any, opts: Any = None) -> Any:
+            opts = opts if opts is not None else c10d_c.AllgatherOptions()
+            call = C.AllGatherIntoTensor(self.rank_, self.size_, _Meta.of(output), _Meta.of(inp))
+            return self._post(call, lambda: self.inner._allgather_base(output, inp, opts))
+
+        def reduce_scatter(self, outputs: list[Any], inputs: list[list[Any]], opts: Any = None) -> Any:  # type: ignore[override]
+            opts = opts if opts is not None else c10d_c.ReduceScatterOptions()
+            out = C._one(outputs, "reduce_scatter")
+            call = C.ReduceScatter(self.rank_, self.size_, _Meta.of(out), metas(inputs[0]), self._op(opts))
+            return self._post(call, lambda: self.inner.reduce_scatter(outputs, inputs, opts))
+
+        def _reduce_scatter_base(self, output: Any, inp: Any, opts: Any = None) -> Any:
+            opts = opts if opts is not None else c10d_c.ReduceScatterOptions()
+            call = C.ReduceScatterTensor(self.rank_, self.size_, _Meta.of(output), _Meta.of(inp), self._op(opts))
+            return self._post(call, lambda: self.inner._reduce_scatter_base(output, inp, opts))
+
+        def alltoall(self, outputs: list[Any], inputs: list[Any], opts: Any = None) -> Any:
+            opts = opts if opts is not None else c10d_c.AllToAllOptions()
+            call = C.AllToAll(self.rank_, self.size_, metas(outputs), metas(inputs))
+            return self._post(call, lambda: self.inner.alltoall(outputs, inputs, opts))
+
+        def alltoall_base(
+            self, output: Any, inp: Any, output_split_sizes: list[int], input_split_sizes: list[int], opts: Any = None
+        ) -> Any:
+            opts = opts if opts is not None else c10d_c.AllToAllOptions()
+            call = C.AllToAllSingle(
+                self.rank_, self.size_, _Meta.of(output), _Meta.of(inp), output_split_sizes, input_split_sizes
+            )
+            return self._post(
+                call, lambda: self.inner.alltoall_base(output, inp, output_split_sizes, input_split_sizes, opts)
+            )
+
+        def gather(self, outputs: list[list[Any]], inputs: list[Any], opts: Any = None) -> Any:  # type: ignore[override]
+            opts = opts if opts is not None else c10d_c.GatherOptions()
+            t = C._one(inputs, "gather")
+            outs = outputs[0] if outputs else []
+            call = C.Gather(self.rank_, self.size_, metas(outs), _Meta.of(t), int(opts.rootRank))
+            return self._post(call, lambda: self.inner.gather(outputs, inputs, opts))
+
+        def scatter(self, outputs: list[Any], inputs: list[list[Any]], opts: Any = None) -> Any:  # type: ignore[override]
+            opts = opts if opts is not None else c10d_c.ScatterOptions()
+            out = C._one(outputs, "scatter")
+            ins = inputs[0] if inputs else []
+            call = C.Scatter(self.rank_, self.size_, _Meta.of(out), metas(ins), int(opts.rootRank))
+            return self._post(call, lambda: self.inner.scatter(outputs, inputs, opts))
+
+        # torch renamed the single-tensor entry points (2.13 calls these; older releases the _base names).
+        all_gather_single = _allgather_base
+        reduce_scatter_single = _reduce_scatter_base
+        all_to_all_single = alltoall_base
+
+        def _coalesced(self, works: list[Any], tensors: list[Any]) -> Any:
+            """Coalesced forms run as consecutive checked collectives, in list order, on every rank."""
+            for work in works:
+                work.wait()
+            return DoneWork(tensors)
+
+        def all_gather_single_coalesced(self, outputs: list[Any], inputs: list[Any], opts: Any = None) -> Any:
+            return self._coalesced([self._allgather_base(o, i) for o, i in zip(outputs, inputs)], outputs)
+
+        allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+        def reduce_scatter_single_coalesced(self, outputs: list[Any], inputs: list[Any], opts: Any = None) -> Any:
+            return self._coalesced(
+                [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)], outputs
+            )
+
+        reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+        def barrier(self, opts: Any = None) -> Any:  # type: ignore[override]
+            opts = opts if opts is not None else c10d_c.BarrierOptions()
+            return self._post(C.Barrier(self.rank_, self.size_), lambda: self.inner.barrier(opts))
+
+        def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+            self.barrier().wait()
+
+        def send(self, tensors: list[Any], dst: int, tag: int = 0) -> Any:  # type: ignore[override]
+            t = C._one(tensors, "send")
+            return self._p2p("send", t, int(dst), int(tag), lambda: self.inner.send(tensors, dst, tag))
+
+        def recv(self, tensors: list[Any], src: int, tag: int = 0) -> Any:  # type: ignore[override]
+            t = C._one(tensors, "recv")
+            return self._p2p("recv", t, int(src), int(tag), lambda: self.inner.recv(tensors, src, tag))
+
+        def recv_anysource(self, tensors: list[Any], tag: int = 0) -> Any:
+            raise InvalidArgument(
+                "recv without src (any source) is not supported by the checked process world: pass src"
+            )
+
+    return CheckedGroup
+
+
+class _LazyCheckedGroup:
+    """``isinstance(x, _CheckedGroup)`` before the class exists (torch not imported yet) is simply False."""
+
+    cls: type | None = None
+
+
+def _checked_group_class() -> type:
+    if _LazyCheckedGroup.cls is None:
+        _LazyCheckedGroup.cls = _make_checked_group_class()
+    return _LazyCheckedGroup.cls
+
+
+# ------------------------------------------------------------------------------------------------------
 # Worker side
 # ------------------------------------------------------------------------------------------------------
 
 
-def _worker_main(cfg: _WorkerConfig, conn: Connection) -> None:
+def _worker_main(cfg: _WorkerConfig, conn: Connection, check_conn: Connection) -> None:
     """Entry point of a worker process: form the group once, then serve runs until told to stop."""
     os.environ.update(cfg.env)  # before torch is imported: OMP_NUM_THREADS, RANK, ...
     log_fd = os.open(cfg.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -173,6 +781,10 @@ def _worker_main(cfg: _WorkerConfig, conn: Connection) -> None:
         device = torch.device("cpu")
     from torch._C import _distributed_c10d as c10d_store  # where the store classes live (and are typed)
 
+    checker = None
+    if key.backend == "gloo":
+        checker = _Checker(check_conn, cfg.rank, key.world_size)
+        _install_checking(checker)
     dist.init_process_group(
         key.backend,
         store=c10d_store.FileStore(cfg.store_path, key.world_size),
@@ -190,7 +802,7 @@ def _worker_main(cfg: _WorkerConfig, conn: Connection) -> None:
     import dstest.specification  # noqa: F401
 
     conn.send(("ready", os.getpid()))
-    server = _Server(cfg, device, read_fd)
+    server = _Server(cfg, device, read_fd, checker)
     while True:
         try:
             blob = conn.recv_bytes()
@@ -241,10 +853,11 @@ def _name_process(name: str) -> None:
 class _Server:
     """One worker's state across runs: resolved functions, the world group's store, the log offsets."""
 
-    def __init__(self, cfg: _WorkerConfig, device: Any, read_fd: int) -> None:
+    def __init__(self, cfg: _WorkerConfig, device: Any, read_fd: int, checker: _Checker | None) -> None:
         from torch.distributed import distributed_c10d as c10d
 
         self.cfg = cfg
+        self.checker = checker
         self.device = device
         self.read_fd = read_fd
         self.functions: dict[_FnRef, Callable[..., Any]] = {}
@@ -263,9 +876,15 @@ class _Server:
         start = self._log_offset()
         ok, result, tb, exc_blob = False, None, "", None
         run_id = -1
+        failure: BaseException | None = None
+        value: Any = None
+        checking = False
         try:
             cmd: _Command = pickle.loads(blob)
             run_id = cmd.run_id
+            if self.checker is not None:
+                self.checker.begin(run_id)  # before anything can fail: the referee hears of every end
+                checking = True
             fn = self._resolve(cmd.ref)
             self._begin_run(run_id)
             ctx = RankContext(
@@ -285,18 +904,32 @@ class _Server:
                 value = fn(ctx, *cmd.args, **cmd.kwargs)
             finally:
                 RankContext.unbind(token)
-            try:
-                result = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception as exc:
-                raise TypeError(
-                    f"rank {rank} returned {type(value).__name__} {value!r:.200}, which cannot be pickled "
-                    f"back to the parent ({type(exc).__name__}: {exc}); return picklable values"
-                ) from exc
-            ok = True
         except BaseException as exc:  # the parent reports every rank's outcome, so catch all
-            tb = "".join(traceback.format_exception(exc))
-            exc_blob = _pickle_exception(exc)
-        unhealthy = self._end_run()
+            failure = exc
+        check_unhealthy = None
+        if checking:
+            assert self.checker is not None
+            try:
+                left, check_unhealthy = self.checker.end(failure)
+            except Exception as exc:
+                left, check_unhealthy = None, f"closing the run's check failed: {type(exc).__name__}: {exc}"
+            failure = failure or left
+        if failure is None:
+            try:
+                try:
+                    result = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+                except Exception as exc:
+                    raise TypeError(
+                        f"rank {rank} returned {type(value).__name__} {value!r:.200}, which cannot be pickled "
+                        f"back to the parent ({type(exc).__name__}: {exc}); return picklable values"
+                    ) from exc
+                ok = True
+            except TypeError as exc:
+                failure = exc
+        if failure is not None:
+            tb = "".join(traceback.format_exception(failure))
+            exc_blob = _pickle_exception(failure)
+        unhealthy = self._end_run() or check_unhealthy
         return _Reply(run_id, rank, ok, result, tb, exc_blob, self._output_since(start), unhealthy)
 
     # -- finding the function ------------------------------------------------------------------------
@@ -455,16 +1088,260 @@ def _same_file(a: str | None, b: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------
+# Cross-rank checking, parent side
+# ------------------------------------------------------------------------------------------------------
+
+
+class _Exchange:
+    """Every rank's side of one collective of one group (matched by group and sequence number)."""
+
+    __slots__ = ("calls", "error", "gid", "members", "posts", "seq", "where")
+
+    def __init__(self, gid: str, members: tuple[int, ...], seq: int, where: str) -> None:
+        self.gid = gid
+        self.members = members
+        self.seq = seq
+        self.where = where
+        self.calls: dict[int, Any] = {}  # global rank -> Call
+        self.posts: dict[int, int] = {}  # global rank -> post id
+        self.error: tuple[str, str] | None = None
+
+
+class _Transfer(NamedTuple):
+    rank: int  # global rank that posted it
+    post_id: int
+    meta: Any
+    what: str
+
+
+class _Referee:
+    """Matches the calls every rank of one run posts, and answers each rank with "ok" or an error.
+
+    Lives in the parent for one run, fed by :meth:`_Pool._exchange`; it sees every rank at once, so it
+    also tells a rank that waits for a collective another rank will never join because that rank
+    finished or failed, and reports a deadlock when every rank still running waits in a call that
+    cannot complete.
+    """
+
+    def __init__(self, run_id: int, world_size: int, conns: list[Connection]) -> None:
+        self.run_id = run_id
+        self.world_size = world_size
+        self.conns = conns
+        self.exchanges: dict[tuple[str, int], _Exchange] = {}
+        self.transfers: dict[tuple[str, int, int, int], tuple[deque[_Transfer], deque[_Transfer]]] = {}
+        # (rank, post id) -> (what, exchange or transfer key, the peer's global rank for a transfer)
+        self.pending: dict[tuple[int, int], tuple[str, Any, int | None]] = {}
+        self.blocked: dict[int, int] = {}  # rank -> post id it waits for
+        self.done: dict[int, str] = {}  # rank -> "finished its function" | "failed (...)"
+        self.failed: set[int] = set()
+
+    # -- messages ---------------------------------------------------------------------------------------
+    def handle(self, rank: int, blob: bytes) -> None:
+        msg = pickle.loads(blob)
+        if msg[1] != self.run_id:
+            return
+        kind = msg[0]
+        if kind == "post":
+            self._post(rank, msg[2], msg[3], msg[4], msg[5], msg[6])
+        elif kind == "p2p":
+            self._p2p(rank, *msg[2:])
+        elif kind == "wait":
+            if (rank, msg[2]) in self.pending:
+                self.blocked[rank] = msg[2]
+                self._detect_deadlock()
+        elif kind == "done":
+            self._done(rank, bool(msg[2]), str(msg[3]))
+
+    def _send(self, rank: int, msg: tuple[Any, ...]) -> None:
+        with contextlib.suppress(EOFError, OSError):
+            self.conns[rank].send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _ok(self, rank: int, post_id: int) -> None:
+        self.pending.pop((rank, post_id), None)
+        if self.blocked.get(rank) == post_id:
+            del self.blocked[rank]
+        self._send(rank, ("ok", self.run_id, post_id))
+
+    def _fail(self, rank: int, post_id: int, kind: str, message: str) -> None:
+        self.pending.pop((rank, post_id), None)
+        if self.blocked.get(rank) == post_id:
+            del self.blocked[rank]
+        self._send(rank, ("err", self.run_id, post_id, kind, message))
+
+    def _fail_exchange(self, ex: _Exchange, kind: str, message: str, skip: int | None = None) -> None:
+        """Fail every side of ``ex`` posted so far, and those posted later (``skip``: a rank that left)."""
+        ex.error = (kind, message)
+        for r, post_id in ex.posts.items():
+            if r != skip and (r, post_id) in self.pending:
+                self._fail(r, post_id, kind, message)
+
+    def _gone(self, rank: int) -> tuple[str, str]:
+        """(kind, phrase) for a rank that left the run: it finished normally or it failed."""
+        return ("aborted" if rank in self.failed else "mismatch", self.done[rank])
+
+    # -- collectives ----------------------------------------------------------------------------------------
+    def _post(self, rank: int, post_id: int, gid: str, members: tuple[int, ...], seq: int, call: Any) -> None:
+        from dstest.worlds import _collectives as C
+
+        key = (gid, seq)
+        ex = self.exchanges.get(key)
+        if ex is None:
+            label = "world" if gid == "0" and len(members) == self.world_size else f"{gid} {list(members)}"
+            ex = self.exchanges[key] = _Exchange(gid, members, seq, f"group {label} (seq {seq})")
+        what = f"{call.describe()} on {ex.where}"
+        self.pending[(rank, post_id)] = (what, key, None)
+        ex.posts[rank] = post_id
+        if ex.error is not None:
+            self._fail(rank, post_id, *ex.error)
+            return
+        if members != ex.members:
+            first = next(iter(ex.calls.items()), None)
+            other = f"rank {first[0]} called {first[1].describe()} on group {gid} {list(ex.members)}" if first else ""
+            self._fail_exchange(
+                ex,
+                "mismatch",
+                f"collective mismatch on group {gid} (seq {seq}): rank {rank} called {call.describe()} on group "
+                f"{gid} {list(members)} but {other} (the ranks created their groups differently)",
+            )
+            return
+        if ex.calls:
+            first_rank, first = next(iter(ex.calls.items()))
+            why = call.check_peer(first)
+            if why is not None:
+                err = C.mismatch(f"collective mismatch on {ex.where}", first_rank, first, rank, call, why)
+                self._fail_exchange(ex, "mismatch", str(err))
+                return
+        ex.calls[rank] = call
+        gone = [r for r in members if r in self.done and r not in ex.calls]
+        if gone:
+            kind, phrase = self._gone(gone[0])
+            self._fail_exchange(ex, kind, self._left_message(ex, gone[0], phrase))
+            return
+        if len(ex.calls) < len(members):
+            return
+        del self.exchanges[key]
+        calls = sorted(ex.calls.values(), key=lambda c: c.group_rank)
+        why = calls[0].check_all(calls)
+        if why is not None:
+            self._fail_exchange(
+                ex,
+                "mismatch",
+                f"collective mismatch on {ex.where}: {why}; calls: "
+                + "; ".join(f"rank {r} called {ex.calls[r].describe()}" for r in members),
+            )
+            return
+        for r, p in ex.posts.items():
+            self._ok(r, p)
+
+    def _left_message(self, ex: _Exchange, gone: int, phrase: str) -> str:
+        waiting = "; ".join(f"rank {r} called {c.describe()}" for r, c in sorted(ex.calls.items()))
+        if gone in ex.calls:
+            return (
+                f"collective on {ex.where} cannot complete: rank {gone} {phrase} without waiting for its "
+                f"{ex.calls[gone].describe()}, and ranks {[r for r in ex.members if r not in ex.calls]} "
+                f"have not joined; {waiting}"
+            )
+        return f"collective on {ex.where} cannot complete: rank {gone} {phrase} without calling it; {waiting}"
+
+    # -- point to point -------------------------------------------------------------------------------------
+    def _p2p(
+        self, rank: int, post_id: int, gid: str, members: tuple[int, ...], kind: str, me: int, peer: int,
+        tag: int, meta: Any, what: str,
+    ) -> None:
+        src, dst = (me, peer) if kind == "send" else (peer, me)
+        key = (gid, src, dst, tag)
+        peer_rank = members[peer]
+        self.pending[(rank, post_id)] = (what, key, peer_rank)
+        sends, recvs = self.transfers.setdefault(key, (deque(), deque()))
+        mine, theirs = (sends, recvs) if kind == "send" else (recvs, sends)
+        entry = _Transfer(rank, post_id, meta, what)
+        if not theirs:
+            if peer_rank in self.done:
+                k, phrase = self._gone(peer_rank)
+                self._fail(rank, post_id, k, f"rank {rank} called {what}, but rank {peer_rank} {phrase} without a matching "
+                           f"{'recv' if kind == 'send' else 'send'}")
+                return
+            mine.append(entry)
+            return
+        other = theirs.popleft()
+        send, recv = (entry, other) if kind == "send" else (other, entry)
+        if (send.meta.dtype, send.meta.shape) != (recv.meta.dtype, recv.meta.shape):
+            message = (
+                f"point-to-point mismatch on group {gid}: rank {send.rank} called {send.what} but rank "
+                f"{recv.rank} called {recv.what}"
+            )
+            self._fail(send.rank, send.post_id, "mismatch", message)
+            self._fail(recv.rank, recv.post_id, "mismatch", message)
+            return
+        self._ok(send.rank, send.post_id)
+        self._ok(recv.rank, recv.post_id)
+
+    # -- ranks leaving, deadlocks ---------------------------------------------------------------------------
+    def _done(self, rank: int, ok: bool, summary: str) -> None:
+        self.done[rank] = "finished its function" if ok else f"failed ({summary})"
+        if not ok:
+            self.failed.add(rank)
+        self.blocked.pop(rank, None)
+        kind, phrase = self._gone(rank)
+        for key, ex in list(self.exchanges.items()):
+            if rank in ex.members and ex.error is None:  # its own side stays unanswered: it reports that
+                self._fail_exchange(ex, kind, self._left_message(ex, rank, phrase), skip=rank)
+        for sends, recvs in self.transfers.values():
+            for queue_ in (sends, recvs):
+                for t in [t for t in queue_ if t.rank == rank]:
+                    queue_.remove(t)  # left unmatched: the rank itself reports them
+        for (r, post_id), (what, _key, peer) in list(self.pending.items()):
+            if r != rank and peer == rank:
+                self._fail(r, post_id, kind, f"rank {r} called {what}, but rank {rank} {phrase} without a matching transfer")
+        self._send(rank, ("ack", self.run_id))
+        self._detect_deadlock()
+
+    def _needs(self, rank: int, post_id: int) -> list[int]:
+        _what, key, peer = self.pending[(rank, post_id)]
+        if peer is not None:
+            return [peer]
+        ex = self.exchanges.get(key)
+        return [r for r in ex.members if r not in ex.calls] if ex is not None else []
+
+    def _detect_deadlock(self) -> None:
+        if not self.blocked or len(self.blocked) + len(self.done) < self.world_size:
+            return  # some rank is still running and may yet post what the others wait for
+        lines = []
+        for r in sorted(self.blocked):
+            what = self.pending[(r, self.blocked[r])][0]
+            needs = ", ".join(
+                f"rank {n} ("
+                + (
+                    self.done[n]
+                    if n in self.done
+                    else "waiting in " + self.pending[(n, self.blocked[n])][0]
+                    if n in self.blocked
+                    else "running"
+                )
+                + ")"
+                for n in self._needs(r, self.blocked[r])
+            )
+            lines.append(f"  rank {r} waits in {what} for {needs}")
+        message = (
+            "deadlock: every rank still running waits for a collective that cannot complete "
+            "(mismatched collectives, groups or peers):\n" + "\n".join(lines)
+        )
+        for r, post_id in list(self.blocked.items()):
+            self._fail(r, post_id, "mismatch", message)
+
+
+# ------------------------------------------------------------------------------------------------------
 # Parent side: the pools
 # ------------------------------------------------------------------------------------------------------
 
 
 class _Worker:
-    def __init__(self, rank: int, process: Any, conn: Connection, cfg: _WorkerConfig) -> None:
+    def __init__(self, rank: int, process: Any, conn: Connection, cfg: _WorkerConfig, check: Connection) -> None:
         self.rank = rank
         self.process = process
         self.conn = conn
         self.cfg = cfg
+        self.check = check  # calls to check and verdicts (gloo pools; unused by NCCL ones)
 
     @property
     def pid(self) -> int:
@@ -568,12 +1445,16 @@ class _Pool:
             ctx = _mp_context()
             for cfg in configs:
                 parent_conn, child_conn = ctx.Pipe(duplex=True)
+                parent_check, child_check = ctx.Pipe(duplex=True)  # the cross-rank check's channel
                 process = ctx.Process(
-                    target=_worker_main, args=(cfg, child_conn), name=f"dstest-{self.world_name}-rank{cfg.rank}"
+                    target=_worker_main,
+                    args=(cfg, child_conn, child_check),
+                    name=f"dstest-{self.world_name}-rank{cfg.rank}",
                 )
                 process.start()
                 child_conn.close()
-                self.workers.append(_Worker(cfg.rank, process, parent_conn, cfg))
+                child_check.close()
+                self.workers.append(_Worker(cfg.rank, process, parent_conn, cfg, parent_check))
         except BaseException as exc:  # reported by wait_ready
             self.launch_error = exc
 
@@ -652,6 +1533,8 @@ class _Pool:
                 w.process.join(5.0)
             with contextlib.suppress(Exception):
                 w.conn.close()
+            with contextlib.suppress(Exception):
+                w.check.close()
             with contextlib.suppress(Exception):
                 w.process.close()
         self.closed = True
@@ -761,6 +1644,11 @@ class _Pool:
             except (EOFError, OSError):
                 dead.append(w)
         by_conn = {w.conn: w for w in self.workers}
+        referee = None
+        checks: dict[Any, _Worker] = {}
+        if self.key.backend == "gloo":  # its workers' groups post every call to this run's referee
+            referee = _Referee(run_id, len(self.workers), [w.check for w in self.workers])
+            checks = {w.check: w for w in self.workers}
         while len(replies) < len(self.workers) and not dead:
             limit = deadline if first_failure is None else min(deadline, first_failure + FAILURE_GRACE)
             remaining = limit - time.monotonic()
@@ -768,11 +1656,15 @@ class _Pool:
                 break
             pending = [w for w in self.workers if w.rank not in replies]
             by_sentinel = {w.process.sentinel: w for w in pending}
-            ready = wait([*(w.conn for w in pending), *by_sentinel], remaining)
+            ready = wait([*(w.conn for w in pending), *checks, *by_sentinel], remaining)
+            for obj in ready:
+                checked = checks.get(obj)
+                if checked is not None and referee is not None:
+                    self._referee_messages(referee, checked)
             for obj in ready:
                 w = by_conn.get(obj)  # type: ignore[call-overload]
                 if w is None:
-                    continue  # a sentinel: handled below, after reading what the worker sent first
+                    continue  # a sentinel or a check channel: handled elsewhere
                 try:
                     reply: _Reply = pickle.loads(w.conn.recv_bytes())
                 except (EOFError, OSError):
@@ -787,6 +1679,15 @@ class _Pool:
                 if gone is not None and gone.rank not in replies:
                     dead.append(gone)
         return replies, dead, first_failure
+
+    @staticmethod
+    def _referee_messages(referee: _Referee, w: _Worker) -> None:
+        """Hand the referee everything worker ``w`` has posted so far."""
+        try:
+            while w.check.poll(0):
+                referee.handle(w.rank, w.check.recv_bytes())
+        except (EOFError, OSError):
+            pass  # the worker died: its sentinel reports it
 
     def _collect_quietly(self, replies: dict[int, _Reply]) -> dict[int, _Reply]:
         """Replies that other ranks had already sent when one died (for the report)."""
