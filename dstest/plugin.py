@@ -183,11 +183,13 @@ def _check_placement(metafunc: pytest.Metafunc, info: Any) -> None:
         return
     body = info.source
     first = next(iter(inspect.signature(body).parameters), "ctx")
-    raise InvalidSpec(
+    error = InvalidSpec(
         f"spec {metafunc.cls.__name__}.{name} is a method of a test class, but its first parameter is "
         f"{first!r}, not self: write def {name}(self, ctx, ...) (self is the instance pytest makes, ctx the "
         "rank context), or make it a @staticmethod"
     )
+    # A collection error that shows only this message (pytest's own frames would bury it).
+    pytest.fail(f"{type(error).__name__}: {error}", pytrace=False)
 
 
 @pytest.hookimpl(wrapper=True)

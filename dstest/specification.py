@@ -369,7 +369,9 @@ def run(
         if info.method:
             raise InvalidSpec(f"{info.source.__qualname__} is a spec method of a test class: run it through pytest")
         fn = info.fn  # a @dstest.spec function: run its body
-    check_run_arguments(world_size, timeout, fn, args=args, kwargs=kwargs, seed=seed, target=target)
+    check_run_arguments(world_size, timeout, fn, args=args, kwargs=kwargs)
+    check_seed(seed)  # None is "not given" to check_run_arguments; here it is a bad value
+    check_target(target)
     check_world_name(world)
     from dstest.worlds import get_world
 
