@@ -16,6 +16,7 @@ __all__ = [
     "InvalidWorldSize",
     "RankFailure",
     "UnfinishedWork",
+    "UnguardedMain",
     "WorkAborted",
     "WorkerDied",
     "WorldAborted",
@@ -72,6 +73,14 @@ class WorldTimeout(DstestError, TimeoutError):
 
 class UnfinishedWork(CollectiveMismatch):
     """A rank finished its function with async work that no rank matched, or that it never waited."""
+
+
+class UnguardedMain(DstestError, RuntimeError):
+    """A script starts the process world at module level without an ``if __name__ == "__main__":`` guard.
+
+    Worker processes import the main script to find its functions; the unguarded call would run again
+    in each of them. The message says where, and to move the call under the guard.
+    """
 
 
 class WorkAborted(DstestError, RuntimeError):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -16,10 +16,42 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 __all__ = [
+    "adopt_rank_state",
+    "current_rank_state",
+    "drop_subgroups",
     "init_rank_process_group",
     "reduce_op_name",
     "thread_local_c10d_world",
+    "thread_local_c10d_world_ensure",
 ]
+
+
+class _GroupTable(dict):  # type: ignore[type-arg]
+    """One of c10d's per-group tables, keyed by process group, that also answers for a *foreign* group.
+
+    A group object that crossed to another rank's thread (a module-level cache, a default argument
+    evaluated once) is looked up as the calling rank's own group with the same name and ranks, as each
+    process would find its own group in a world of processes (``_HOOKS.translate``).
+    """
+
+    def _local(self, key: Any) -> Any:
+        translate = _HOOKS.translate
+        if translate is None:
+            return None
+        local = translate(key)
+        return local if local is not None and local is not key and dict.__contains__(self, local) else None
+
+    def __missing__(self, key: Any) -> Any:
+        local = self._local(key)
+        if local is None:
+            raise KeyError(key)
+        return dict.__getitem__(self, local)
+
+    def __contains__(self, key: object) -> bool:
+        return dict.__contains__(self, key) or self._local(key) is not None
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self[key] if key in self else default
 
 
 class _PerThreadWorld:
@@ -31,13 +63,13 @@ class _PerThreadWorld:
 
     def __init__(self) -> None:
         self.default_pg: Any = None
-        self.pg_map: dict[Any, Any] = {}
-        self.pg_names: dict[Any, Any] = {}
-        self.pg_group_ranks: dict[Any, Any] = {}
-        self.pg_backend_config: dict[Any, Any] = {}
+        self.pg_map: dict[Any, Any] = _GroupTable()
+        self.pg_names: dict[Any, Any] = _GroupTable()
+        self.pg_group_ranks: dict[Any, Any] = _GroupTable()
+        self.pg_backend_config: dict[Any, Any] = _GroupTable()
         self.group_count = 0
         self.tags_to_pg: dict[Any, Any] = {}
-        self.pg_to_tag: dict[Any, Any] = {}
+        self.pg_to_tag: dict[Any, Any] = _GroupTable()
         self.pg_coalesce_state: dict[Any, Any] = {}
         self.comms: list[Any] = []
 
@@ -60,6 +92,17 @@ class _ThreadLocalWorld:
         state = _PerThreadWorld()
         self._local.state = state
         return state
+
+    def adopt(self, state: _PerThreadWorld | None) -> None:
+        """Make the calling (helper) thread share a rank's state, or drop it (None)."""
+        if state is None:
+            self._local.__dict__.pop("state", None)
+        else:
+            torch.autograd.set_multithreading_enabled(False)
+            self._local.state = state
+
+    def current(self) -> _PerThreadWorld | None:
+        return getattr(self._local, "state", None)
 
     def unbind(self) -> None:
         self._local.__dict__.pop("state", None)
@@ -85,6 +128,18 @@ class _ThreadLocalWorld:
         ]
 
 
+class _Hooks:
+    """What the hosting world adds while rank threads are installed (set by the first installer)."""
+
+    def __init__(self) -> None:
+        self.capture: Callable[[], Callable[[], Any] | None] | None = None
+        self.seed: Callable[[Any], None] | None = None
+        self.translate: Callable[[Any], Any] | None = None
+
+
+_HOOKS = _Hooks()
+
+
 class _Installation:
     """Process-wide switches that rank threads need, reference-counted and undone when the last world ends."""
 
@@ -98,8 +153,41 @@ class _Installation:
 _INSTALL = _Installation()
 
 
+def _set_isolation(on: bool) -> None:
+    isolation = getattr(torch._C._distributed_c10d, "_set_thread_isolation_mode", None)
+    if isolation is not None:
+        isolation(on)
+
+
+def _inheriting_start(self: threading.Thread) -> None:
+    """``threading.Thread.start`` while rank threads are installed: a thread started by a rank acts as it."""
+    capture = _HOOKS.capture
+    as_rank = capture() if capture is not None else None
+    if as_rank is not None:
+        run = self.run
+
+        def run_as_rank() -> None:
+            with as_rank():
+                run()
+
+        self.run = run_as_rank  # type: ignore[method-assign]
+    _INSTALL.saved["start"](self)
+
+
+def _serialised_manual_seed(seed: Any) -> Any:
+    """``torch.manual_seed`` while rank threads are installed: a rank thread first takes the RNG."""
+    hook = _HOOKS.seed
+    if hook is not None:
+        hook(seed)
+    return _INSTALL.saved["manual_seed"](seed)
+
+
 @contextlib.contextmanager
-def thread_local_c10d_world() -> Iterator[_ThreadLocalWorld]:
+def thread_local_c10d_world(
+    capture: Callable[[], Callable[[], Any] | None] | None = None,
+    seed: Callable[[Any], None] | None = None,
+    translate: Callable[[Any], Any] | None = None,
+) -> Iterator[_ThreadLocalWorld]:
     """Install a thread-local c10d world for the duration of the block (re-entrant across worlds).
 
     - ``distributed_c10d._world`` is process-global; replaced by a proxy that gives each rank thread
@@ -108,16 +196,27 @@ def thread_local_c10d_world() -> Iterator[_ThreadLocalWorld]:
       registering "0" fails with "A process group is already registered under the name0" unless
       ``_set_thread_isolation_mode(True)``.
     - Each rank thread calls ``bind()``, which also keeps that thread's backward on the thread.
+    - ``threading.Thread.start`` is wrapped so that a thread started by a rank thread acts as that rank
+      (``capture``), and ``torch.manual_seed`` so that the hosting world can hand torch's one global RNG
+      to one rank at a time (``seed``); ``translate`` maps a foreign rank's group to the caller's own.
     """
     with _INSTALL.lock:
         if _INSTALL.users == 0:
             _INSTALL.saved["world"] = c10d._world
             _INSTALL.world = _ThreadLocalWorld(c10d._world)
             c10d._world = _INSTALL.world  # type: ignore[assignment]
-            isolation = getattr(torch._C._distributed_c10d, "_set_thread_isolation_mode", None)
-            if isolation is not None:
-                isolation(True)
-            _INSTALL.saved["isolation"] = isolation
+            _set_isolation(True)
+            _INSTALL.saved["start"] = threading.Thread.start
+            threading.Thread.start = _inheriting_start  # type: ignore[method-assign]
+            _INSTALL.saved["manual_seed"] = torch.manual_seed
+            torch.manual_seed = _serialised_manual_seed  # type: ignore[assignment]
+            torch.random.manual_seed = _serialised_manual_seed  # type: ignore[assignment]
+        if capture is not None:
+            _HOOKS.capture = capture
+        if seed is not None:
+            _HOOKS.seed = seed
+        if translate is not None:
+            _HOOKS.translate = translate
         _INSTALL.users += 1
         world = _INSTALL.world
     assert world is not None
@@ -127,12 +226,61 @@ def thread_local_c10d_world() -> Iterator[_ThreadLocalWorld]:
         with _INSTALL.lock:
             _INSTALL.users -= 1
             if _INSTALL.users == 0:
-                isolation = _INSTALL.saved["isolation"]
-                if isolation is not None:
-                    isolation(False)
+                _set_isolation(False)
                 c10d._world = _INSTALL.saved["world"]
+                threading.Thread.start = _INSTALL.saved["start"]  # type: ignore[method-assign]
+                torch.manual_seed = _INSTALL.saved["manual_seed"]
+                torch.random.manual_seed = _INSTALL.saved["manual_seed"]
+                _HOOKS.__init__()  # type: ignore[misc]
                 _INSTALL.world = None
                 _INSTALL.saved.clear()
+
+
+def thread_local_c10d_world_ensure() -> None:
+    """At each world start: put back what code run since the install switched off.
+
+    torch's own threaded helpers (``MultiThreadedTestCase``, ``spawn_threads_and_init_comms``) switch
+    thread isolation off when they finish and swap ``distributed_c10d._world``; warm rank threads would
+    then fail with "A process group is already registered under the name0".
+    """
+    with _INSTALL.lock:
+        if _INSTALL.users == 0 or _INSTALL.world is None:
+            return
+        _set_isolation(True)
+        if c10d._world is not _INSTALL.world:
+            c10d._world = _INSTALL.world  # type: ignore[assignment]
+
+
+def current_rank_state() -> _PerThreadWorld | None:
+    """The calling rank thread's c10d state (to hand to a thread it starts)."""
+    world = _INSTALL.world
+    return world.current() if world is not None else None
+
+
+def adopt_rank_state(state: _PerThreadWorld | None) -> None:
+    """Make the calling thread use a rank's c10d state (None: drop it)."""
+    world = _INSTALL.world
+    if world is not None:
+        world.adopt(state)
+
+
+def drop_subgroups() -> None:
+    """On a rank thread between runs: forget every group but the default one, in c10d and its registry.
+
+    dstest's groups are Python ProcessGroups; the state is this thread's own, so it is dropped directly
+    rather than through ``destroy_process_group`` (which would also tear down what a run never built).
+    """
+    state = c10d._world
+    for pg in [pg for pg in list(state.pg_map) if pg is not state.default_pg]:
+        name = dict.get(state.pg_names, pg)
+        for table in (state.pg_map, state.pg_names, state.pg_group_ranks, state.pg_backend_config, state.pg_to_tag):
+            dict.pop(table, pg, None)
+        for pgs in state.tags_to_pg.values():
+            while pg in pgs:
+                pgs.remove(pg)
+        if name is not None:
+            with contextlib.suppress(RuntimeError, KeyError):
+                torch._C._distributed_c10d._unregister_process_group(name)
 
 
 _INIT_LOCK = threading.Lock()

@@ -22,7 +22,8 @@ from dstest.errors import InvalidArgument, RankFailure, WorldTimeout
 from dstest.worlds import _collectives as C
 from dstest.worlds import _compat
 from dstest.worlds.protocol import check_run_arguments
-from dstest.worlds.threaded import BACKEND_NAME, _binding, _Done, _register_backend
+from dstest.worlds._backend import BACKEND_NAME, binding, register_backend
+from dstest.worlds._session import Done
 
 __all__ = ["FakeWorld"]
 
@@ -36,21 +37,30 @@ class _FakeSession:
         self.store = torch._C._distributed_c10d.HashStore()
         self.calls: dict[str, int] = {}
 
-    def arrive(self, group: Any, call: C.Call) -> _Done:
+    def arrive(self, group: Any, call: C.Call) -> Done:
         call.check_local()
         group.next_seq()
         self.calls[call.op] = self.calls.get(call.op, 0) + 1
-        return _Done(self, group.global_ranks[group.rank_], call.outputs())  # type: ignore[arg-type]
+        return Done(self, group.global_ranks[group.rank_], call.outputs())  # type: ignore[arg-type]
 
-    def post_p2p(self, group: Any, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> _Done:
+    def post_p2p(self, group: Any, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> Done:
         if not 0 <= peer < group.size_:
             raise InvalidArgument(f"{kind}: peer rank {peer} is not in the group (size {group.size_})")
         self.calls[kind] = self.calls.get(kind, 0) + 1
-        return _Done(self, group.global_ranks[group.rank_], [tensor])  # type: ignore[arg-type]
+        return Done(self, group.global_ranks[group.rank_], [tensor])  # type: ignore[arg-type]
 
     def wait(self, waitable: Any) -> None:
         if waitable.error is not None:
             raise waitable.error
+
+    def consume(self, waitable: Any) -> None:
+        waitable.consumed = True
+
+    def hand_out_future(self, waitable: Any, fut: Any) -> None:
+        waitable._resolve(fut)
+
+    def group_of(self, key: Any, global_rank: int) -> Any:
+        return None  # one simulated rank per thread: no group crosses ranks
 
 
 class FakeWorld:
@@ -84,7 +94,7 @@ class FakeWorld:
         bad = [r for r in ranks if not 0 <= r < world_size]
         if bad:
             raise InvalidArgument(f"ranks={list(ranks)}: {bad} not in 0..{world_size - 1}")
-        _register_backend()
+        register_backend()
         results: list[Any] = []
         with _compat.thread_local_c10d_world() as c10d_world:
             for rank in ranks:
@@ -93,7 +103,7 @@ class FakeWorld:
                 def rank_main(rank: int = rank, box: dict[str, Any] = box) -> None:
                     c10d_world.bind()
                     session = _FakeSession(world_size)
-                    _binding.session, _binding.rank = session, rank
+                    binding.session, binding.rank = session, rank
                     ctx = RankContext(
                         rank=rank, world_size=world_size, world=self.name, device=torch.device("cpu"),
                         seed=seed, target_name=target,
@@ -112,7 +122,7 @@ class FakeWorld:
                         if dist.is_initialized():
                             dist.destroy_process_group()
                         RankContext.unbind(token)
-                        _binding.__dict__.clear()
+                        binding.__dict__.clear()
                         c10d_world.unbind()
 
                 thread = threading.Thread(target=rank_main, name=f"dstest-fake-rank{rank}", daemon=True)

@@ -1,0 +1,319 @@
+"""dstest's c10d backend: process groups whose collectives go to a world's session instead of a network.
+
+A ``Group`` is one rank's handle on one group, created by torch through the registered backend (so
+``dist.new_group``, ``DeviceMesh``, DTensor, FSDP2 and functional collectives all build and use them as
+they would gloo's). Each group answers what torch's stacks ask of a process group: ``group_name`` and
+``group_desc`` (set by torch, unique and stable per group of a world), its backend for every device, and
+every collective as c10d calls it. A group object that reaches another rank's thread (a module-level
+cache, a default argument evaluated once) acts for the calling rank where that rank has the same group,
+and raises naming both ranks where it has not.
+
+The threaded and the fake world share this module; they differ in the session they bind (``binding``).
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dstest.errors import InvalidArgument
+from dstest.worlds import _collectives as C
+from dstest.worlds import _compat
+from dstest.worlds._session import Done, P2PWait, Waitable
+
+__all__ = ["BACKEND_NAME", "Group", "Work", "binding", "calling_rank", "register_backend", "translate_group"]
+
+BACKEND_NAME = "dstest"
+binding = threading.local()  # .session and .rank of the rank running on this thread
+_register_lock = threading.Lock()
+
+
+def register_backend() -> None:
+    """Register the c10d backend once per process; idempotent, never an import side effect."""
+    with _register_lock:
+        if BACKEND_NAME.upper() in dist.Backend._plugins:
+            return
+        devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+        dist.Backend.register_backend(BACKEND_NAME, _create_group, extended_api=True, devices=devices)
+
+
+def _create_group(opts: Any, pg_options: Any) -> dist.ProcessGroup:
+    session = getattr(binding, "session", None)
+    if session is None:
+        raise RuntimeError(
+            f"the {BACKEND_NAME!r} backend only works inside a dstest world "
+            "(dstest.run(fn, world_size, world='threaded') or a @dstest.spec)"
+        )
+    ranks = list(opts.global_ranks_in_group) or list(range(session.world_size))
+    group = Group(session, opts.group_rank, opts.group_size, ranks, str(opts.group_id))
+    register = getattr(session, "register_group", None)
+    if register is not None:
+        register(group)
+    return group
+
+
+def calling_rank() -> int | None:
+    """The global rank whose thread (or helper thread) is running, if any."""
+    return getattr(binding, "rank", None)
+
+
+def translate_group(pg: Any) -> Any:
+    """The calling rank's own copy of another rank's group ``pg`` (same name and ranks), or None."""
+    if not isinstance(pg, Group):
+        return None
+    caller = calling_rank()
+    if caller is None or caller == pg.owner:
+        return None
+    return pg.session.group_of(pg.key, caller)
+
+
+class Work(dist._Work):  # type: ignore[misc, name-defined]
+    """The handle a collective returns; ``wait()`` joins the rendezvous and copies this rank's result."""
+
+    def __init__(self, waitable: Waitable) -> None:
+        super().__init__()
+        self._waitable = waitable
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._waitable.session.wait(self._waitable)
+        return True
+
+    def is_completed(self) -> bool:
+        w = self._waitable
+        if not w.event.is_set():
+            return False
+        if w.error is None:  # polled complete: the caller may read the result now (as with gloo)
+            w.session.consume(w)
+            w.finish_once()
+        return True
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._waitable.error is None
+
+    def exception(self) -> BaseException | None:
+        return self._waitable.error
+
+    def result(self) -> list[torch.Tensor]:
+        return self._waitable.outputs()
+
+    def source_rank(self) -> int:
+        w = self._waitable
+        return w.peer if isinstance(w, P2PWait) else -1
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        self._waitable.session.hand_out_future(self._waitable, fut)
+        return fut
+
+
+class Group(dist.ProcessGroup):
+    """One rank's handle on one group of a world; every method forwards to the session."""
+
+    def __init__(self, session: Any, rank: int, size: int, global_ranks: list[int], name: str) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) overload has no stub
+        self.session = session
+        self.rank_ = rank
+        self.size_ = size
+        self.global_ranks = global_ranks
+        self.owner = global_ranks[rank]
+        self.key = (name, tuple(global_ranks))
+        self.label = "world" if len(global_ranks) == session.world_size and name == "0" else f"{name} {global_ranks}"
+        self._seq = 0
+        self._name = name
+        self._desc = "undefined"
+
+    # -- what torch's stacks ask of a process group ------------------------------------------------
+    # A Python ProcessGroup registers no C++ backend, and the C++ getters read the name from one: they
+    # raise "ProcessGroup name not set". torch sets both through these setters when it creates a group.
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self._name
+
+    @property
+    def group_desc(self) -> str:  # type: ignore[override]
+        return self._desc
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _get_backend(self, device: Any) -> Group:  # type: ignore[override]
+        """The group is its own backend for every device; it has no ``supports_coalescing``, so
+        batch_isend_irecv posts each transfer on its own (torch 2.14 asks; our groups register no
+        C++ backend, and the default answer is "No backend type associated with device type cpu")."""
+        return self
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def __repr__(self) -> str:
+        return f"<dstest group {self.label} of rank {self.owner}>"
+
+    # -- which rank is calling -----------------------------------------------------------------------
+    def _acting(self) -> Group:
+        """The group of the calling rank: this one, or the caller's own copy of it (same name and ranks).
+
+        In a world of processes every rank holds its own group objects. A group object that crossed to
+        another rank's thread acts for that rank where it has the same group; otherwise the call is wrong
+        in any world, and raises here, before anything is posted.
+        """
+        caller = calling_rank()
+        if caller is None or caller == self.owner:
+            return self
+        mine = self.session.group_of(self.key, caller)
+        if mine is not None:
+            return mine  # type: ignore[no-any-return]
+        raise InvalidArgument(
+            f"group {self.label} belongs to rank {self.owner} but was used by rank {caller}, which "
+            f"{'is not a member of it' if caller not in self.global_ranks else 'never created it'}. In a world "
+            "of processes every rank has its own group objects: create groups on every rank (dist.new_group "
+            "on each) and keep them per rank, not in one object shared by all ranks; for code that keeps "
+            "process groups in module globals use world='process'"
+        )
+
+    def _post(self, call: C.Call) -> Work:
+        return Work(self.session.arrive(self, call))
+
+    def _reduce_op(self, opts: Any) -> str:
+        return _compat.reduce_op_name(opts.reduceOp)
+
+    # -- collectives (signatures as c10d calls them) -----------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
+        g = self._acting()
+        op = g._reduce_op(opts) if opts is not None else "sum"
+        t = C._one(tensors, "all_reduce")
+        return g._post(C.AllReduce(g.rank_, g.size_, t, op))
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        g = self._acting()
+        op = g._reduce_op(opts) if opts is not None else "sum"
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+        work = g._post(C.AllReduce(g.rank_, g.size_, flat, op))
+        work.wait()
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+        return Work(Done(g.session, g.owner, tensors))
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work:  # type: ignore[override]
+        g = self._acting()
+        t = C._one(tensors, "broadcast")
+        return g._post(C.Broadcast(g.rank_, g.size_, t, int(opts.rootRank)))
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:  # type: ignore[override]
+        g = self._acting()
+        t = C._one(tensors, "reduce")
+        return g._post(C.Reduce(g.rank_, g.size_, t, g._reduce_op(opts), int(opts.rootRank)))
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
+        g = self._acting()
+        t = C._one(inputs, "all_gather")
+        return g._post(C.AllGather(g.rank_, g.size_, outputs[0], t))
+
+    def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Work:
+        g = self._acting()
+        return g._post(C.AllGatherIntoTensor(g.rank_, g.size_, output, inp))
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Work:  # type: ignore[override]
+        g = self._acting()
+        out = C._one(outputs, "reduce_scatter")
+        return g._post(C.ReduceScatter(g.rank_, g.size_, out, inputs[0], g._reduce_op(opts)))
+
+    def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> Work:
+        g = self._acting()
+        return g._post(C.ReduceScatterTensor(g.rank_, g.size_, output, inp, g._reduce_op(opts)))
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        g = self._acting()
+        return g._post(C.AllToAll(g.rank_, g.size_, outputs, inputs))
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        inp: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> Work:
+        g = self._acting()
+        return g._post(C.AllToAllSingle(g.rank_, g.size_, output, inp, output_split_sizes, input_split_sizes))
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Work:  # type: ignore[override]
+        g = self._acting()
+        t = C._one(inputs, "gather")
+        outs = outputs[0] if outputs else []
+        return g._post(C.Gather(g.rank_, g.size_, outs, t, int(opts.rootRank)))
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Work:  # type: ignore[override]
+        g = self._acting()
+        out = C._one(outputs, "scatter")
+        ins = inputs[0] if inputs else []
+        return g._post(C.Scatter(g.rank_, g.size_, out, ins, int(opts.rootRank)))
+
+    # torch renamed the single-tensor entry points (2.13 calls these; older releases the _base names).
+    all_gather_single = _allgather_base  # type: ignore[assignment]
+    reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]
+    all_to_all_single = alltoall_base  # type: ignore[assignment]
+
+    def _coalesced(self, posts: list[Work], tensors: list[torch.Tensor]) -> Work:
+        """Coalesced forms run as consecutive collectives on the group, in list order, on every rank."""
+        for work in posts:
+            work.wait()
+        return Work(Done(self.session, self.owner, tensors))
+
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work:
+        g = self._acting()
+        return g._coalesced([g._allgather_base(o, i) for o, i in zip(outputs, inputs)], outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
+
+    def reduce_scatter_single_coalesced(  # type: ignore[override]
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+    ) -> Work:
+        g = self._acting()
+        return g._coalesced([g._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
+
+    def barrier(self, opts: Any = None) -> Work:
+        g = self._acting()
+        return g._post(C.Barrier(g.rank_, g.size_))
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
+        g = self._acting()
+        t = C._one(tensors, "send")
+        return Work(g.session.post_p2p(g, "send", t, int(dst), int(tag)))
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work:
+        g = self._acting()
+        t = C._one(tensors, "recv")
+        return Work(g.session.post_p2p(g, "recv", t, int(src), int(tag)))
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
+        raise InvalidArgument("recv without src (any source) is not supported by dstest's worlds; pass src")
+
+    def monitoredBarrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:  # noqa: N802
+        raise InvalidArgument(
+            "dist.monitored_barrier is implemented by torch for the gloo backend only (torch's own limit); "
+            "use dist.barrier() in the threaded world, or world='process' (gloo) for monitored_barrier"
+        )
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,164 @@
+"""Failure reports of a world run, and stopping rank threads: shared by every world that runs threads.
+
+Rank threads never format anything: they record the exception, and the caller's thread formats every
+report after the ranks have stopped, under one lock (CPython 3.11 computes traceback carets with
+``ast.parse``, which is not safe to run from several threads at once). Threads that cannot be stopped
+(stuck in C code) are named in the report, never reused, and counted (:func:`stuck_threads`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from dstest.errors import RankFailure, WorldAborted, WorldTimeout
+
+__all__ = ["Outcome", "format_stacks", "reap", "stacks_of", "stuck_threads", "timeout_error"]
+
+_FORMAT_LOCK = threading.Lock()
+_STUCK: list[threading.Thread] = []
+_STUCK_LOCK = threading.Lock()
+
+
+def stuck_threads() -> list[str]:
+    """Names of rank threads this process could not stop (still alive); each is reported once, when it stuck."""
+    with _STUCK_LOCK:
+        _STUCK[:] = [t for t in _STUCK if t.is_alive()]
+        return [t.name for t in _STUCK]
+
+
+def format_exception(exc: BaseException) -> str:
+    with _FORMAT_LOCK:
+        return "".join(traceback.format_exception(exc))
+
+
+class Outcome:
+    """Per-run results and failures of every rank.
+
+    A failure is *primary* when it happened before the world was aborted (the first real error and any
+    that raced with it), and a *consequence* when the rank failed because of the abort (WorldAborted, or
+    an error a future delivered after it). Primary failures come first in the report.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.results: list[Any] = [None] * world_size
+        self.failures: dict[int, BaseException] = {}
+        self.order: list[int] = []
+        self.consequences: set[int] = set()
+        self.lock = threading.Lock()
+
+    def fail(self, rank: int, exc: BaseException, *, consequence: bool = False) -> None:
+        with self.lock:
+            if rank in self.failures:
+                return
+            self.failures[rank] = exc
+            self.order.append(rank)
+            if consequence or isinstance(exc, WorldAborted):
+                self.consequences.add(rank)
+
+    def error(self, notes: str = "") -> RankFailure | None:
+        """The report of every failure, primary ones first (formatted here, on the caller's thread)."""
+        with self.lock:
+            failures, order, consequences = dict(self.failures), list(self.order), set(self.consequences)
+        if not failures:
+            return None
+        primary = [r for r in order if r not in consequences]
+        shown = primary or order
+        tracebacks = {r: format_exception(failures[r]) for r in order}
+        head = "; ".join(f"rank {r}: {type(failures[r]).__name__}: {failures[r]}".splitlines()[0] for r in shown)
+        body = "\n".join(f"---- rank {r} ----\n{tracebacks[r]}" for r in shown)
+        aborted = sorted(set(order) - set(shown))
+        tail = f"\nranks {aborted} were aborted because of the failure above" if aborted else ""
+        return RankFailure(
+            f"{len(shown)} of {self.world_size} ranks failed: {head}\n{body}{tail}{notes}",
+            {r: tracebacks[r] for r in sorted(failures)},
+            {r: failures[r] for r in sorted(failures)},
+        )
+
+    def raise_failures(self, notes: str = "") -> None:
+        err = self.error(notes)
+        if err is not None:
+            raise err
+
+
+def stacks_of(threads: list[threading.Thread]) -> dict[int, str]:
+    # CPython 3.11 (gh-106883): a garbage collection triggered inside sys._current_frames() while it holds
+    # the runtime's thread-list lock can finalize a threading.local, which takes that lock again: the
+    # process hangs. Keep the collector off for the call.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        frames = sys._current_frames()
+    finally:
+        if enabled:
+            gc.enable()
+    out = {}
+    with _FORMAT_LOCK:
+        for rank, t in enumerate(threads):
+            frame = frames.get(t.ident) if t.ident is not None else None
+            if frame is not None:
+                out[rank] = "".join(traceback.format_stack(frame))
+    return out
+
+
+def format_stacks(stacks: dict[int, str]) -> str:
+    return "\n".join(f"---- rank {r} stack ----\n{s}" for r, s in sorted(stacks.items()))
+
+
+def timeout_error(
+    threads: list[threading.Thread], world_size: int, timeout: float, hung: list[int], outcome: Outcome | None = None
+) -> WorldTimeout:
+    stacks = stacks_of(threads)
+    first = ""
+    if outcome is not None:
+        err = outcome.error()
+        if err is not None:
+            first = f"before the timeout: {err}\n"
+    return WorldTimeout(
+        f"world of {world_size} ranks ran past its timeout of {timeout:g} s; "
+        f"ranks still running: {hung}\n{first}" + format_stacks(stacks),
+        stacks,
+    )
+
+
+def _async_raise(thread: threading.Thread, exc: type[BaseException]) -> None:
+    """Raise ``exc`` inside a rank thread stuck in Python code (the only way to stop a hung thread)."""
+    if thread.ident is not None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(exc))
+
+
+def interrupt(threads: list[threading.Thread], running: Any, grace: float) -> None:
+    """Give ``threads`` ``grace`` seconds to leave their function, raising WorldAborted into those that
+    still run it (``running()`` returns the threads still inside it) every 50 ms meanwhile."""
+    end = time.monotonic() + grace
+    while True:
+        alive = [t for t in running() if t.is_alive()]
+        if not alive or time.monotonic() >= end:
+            return
+        for t in alive:
+            _async_raise(t, WorldAborted)
+        time.sleep(0.05)
+
+
+def reap(threads: list[threading.Thread], grace: float) -> list[str]:
+    """Stop ``threads``: join them for up to ``grace`` seconds, interrupting those stuck in Python code.
+
+    Returns the names of threads that could not be stopped (stuck in C code); they are kept in the
+    stuck-thread count.
+    """
+    end = time.monotonic() + min(grace, 0.2)
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    interrupt(threads, lambda: threads, max(0.0, grace - 0.2))
+    for t in threads:
+        t.join(0.05)
+    left = [t for t in threads if t.is_alive()]
+    with _STUCK_LOCK:
+        _STUCK.extend(left)
+    return [t.name for t in left]

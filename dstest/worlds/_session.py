@@ -1,0 +1,491 @@
+"""The rendezvous of one world run: collectives matched by (group, sequence number), transfers, waits.
+
+Shared by the threaded world (real data) and, through the same interface (``arrive``, ``post_p2p``,
+``wait``), by the fake world. Every wait a rank can make goes through :meth:`Session.wait` or through a
+future handed out by ``Work.get_future()``; both are seen by the deadlock check:
+
+- when every rank still running waits and none of the waits can complete, every wait fails with the
+  pending call of each rank (a mismatch of groups or peers, a rank that skips a collective);
+- when a rank *finishes its function*, every collective and transfer that still needs it can never
+  complete: it fails at once, so a rank blocked on it through a future (DDP's reducer, FSDP's hooks) is
+  woken with the error instead of hanging.
+
+What a rank leaves behind is checked when it finishes (:meth:`Session.rank_done`): work it posted that no
+rank matched or that it never waited, and errors dstest raised into its code that the code caught. Each
+is a failure of that rank, so no run passes with unmatched work or a swallowed mismatch.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from collections import deque
+from typing import Any
+
+import torch
+
+from dstest.errors import CollectiveMismatch, InvalidArgument, UnfinishedWork, WorkAborted, WorldAborted
+from dstest.worlds import _collectives as C
+
+__all__ = ["Done", "Session", "Waitable"]
+
+
+class Waitable:
+    """Something a rank can wait on: one side of a collective or of a point-to-point transfer."""
+
+    def __init__(self, session: Any, global_rank: int, where: str) -> None:
+        self.session = session
+        self.global_rank = global_rank
+        self.where = where
+        self.event = threading.Event()
+        self.error: BaseException | None = None
+        self.futures: list[torch.futures.Future[Any]] = []
+        self.consumed = False  # waited, polled complete, or handed to a future
+        self._finished = False
+        self._finish_lock = threading.Lock()
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def waiting_for(self) -> list[int]:
+        """Global ranks whose action this wait still needs."""
+        raise NotImplementedError
+
+    def outputs(self) -> list[torch.Tensor]:
+        return []
+
+    def _finish(self) -> None:
+        pass
+
+    def finish_once(self) -> None:
+        """Copy this rank's result into its tensors, once. Copies never enter autograd (as with gloo)."""
+        with self._finish_lock:
+            if not self._finished:
+                self._finished = True
+                with torch.no_grad():
+                    self._finish()
+
+    def complete(self, error: BaseException | None = None) -> None:
+        """Mark done (by whichever thread completed it) and resolve futures handed out by get_future()."""
+        if self.event.is_set():
+            return
+        self.error = self.error or error
+        self.event.set()
+        for fut in self.futures:
+            self._resolve(fut)
+
+    def _resolve(self, fut: torch.futures.Future[Any]) -> None:
+        if self.error is not None:
+            # torch futures take Exceptions only; an abort reaches the waiter as WorkAborted.
+            err = self.error if isinstance(self.error, Exception) else WorkAborted(str(self.error))
+            self.session.note_raised(self.global_rank, err)
+            fut.set_exception(err)
+            return
+        try:
+            self.finish_once()
+        except Exception as exc:  # a copy that fails (device, dtype) surfaces through the future
+            fut.set_exception(exc)
+            return
+        fut.set_result(self.outputs())
+
+
+class CollectiveWait(Waitable):
+    def __init__(self, session: Session, global_rank: int, call: C.Call, exchange: Exchange) -> None:
+        super().__init__(session, global_rank, exchange.where)
+        self.call = call
+        self.exchange = exchange
+
+    def describe(self) -> str:
+        return f"{self.call.describe()} on {self.where}"
+
+    def waiting_for(self) -> list[int]:
+        return [g for g, c in zip(self.exchange.global_ranks, self.exchange.calls) if c is None]
+
+    def outputs(self) -> list[torch.Tensor]:
+        return self.call.outputs()
+
+    def _finish(self) -> None:
+        sources = self.exchange.sources
+        assert sources is not None
+        self.call.finish(sources[self.call.group_rank])
+
+
+class Exchange:
+    """All ranks' sides of one collective on one group."""
+
+    def __init__(self, group: Any, seq: int) -> None:
+        self.global_ranks: list[int] = group.global_ranks
+        self.where = f"group {group.label} (seq {seq})"
+        self.calls: list[C.Call | None] = [None] * group.size_
+        self.missing = group.size_
+        self.waits: list[CollectiveWait] = []
+        self.first: C.Call | None = None
+        self.sources: list[Any] | None = None
+        self.error: BaseException | None = None
+
+
+class P2PWait(Waitable):
+    def __init__(
+        self, session: Session, global_rank: int, kind: str, tensor: torch.Tensor, peer: int, where: str, tag: int
+    ) -> None:
+        super().__init__(session, global_rank, where)
+        self.kind = kind
+        self.tensor = tensor
+        self.peer = peer
+        self.tag = tag
+
+    def describe(self) -> str:
+        arrow = "to" if self.kind == "send" else "from"
+        return f"{self.kind}({C.describe_tensor(self.tensor)} {arrow} rank {self.peer}, tag={self.tag}) on {self.where}"
+
+    def waiting_for(self) -> list[int]:
+        return [] if self.event.is_set() else [self.peer]
+
+    def outputs(self) -> list[torch.Tensor]:
+        return [self.tensor]
+
+
+class Done(Waitable):
+    """Work that is complete when it is made (coalesced forms, the fake world)."""
+
+    def __init__(self, session: Any, rank: int, tensors: list[torch.Tensor]) -> None:
+        super().__init__(session, rank, "")
+        self._tensors = tensors
+        self.consumed = True
+        self.event.set()
+
+    def describe(self) -> str:
+        return "completed"
+
+    def waiting_for(self) -> list[int]:
+        return []
+
+    def outputs(self) -> list[torch.Tensor]:
+        return self._tensors
+
+
+class _RankState:
+    """What one rank has posted and not yet consumed, and the errors dstest raised into its code."""
+
+    def __init__(self) -> None:
+        self.open: dict[int, Waitable] = {}
+        self.raised: list[BaseException] = []
+
+
+def _caught_where(err: BaseException) -> str:
+    """Where the code under test caught ``err``: the outermost frame of its traceback (the handler's)."""
+    tb = err.__traceback__
+    if tb is None:
+        return "an unknown place"
+    frame = traceback.extract_tb(tb, limit=1)[0]
+    return f"{frame.filename}:{frame.lineno} (in {frame.name})"
+
+
+class Session:
+    """Rendezvous state, abort flag and bookkeeping of one world run."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.lock = threading.Lock()
+        self.store = torch._C._distributed_c10d.HashStore()
+        self.exchanges: dict[tuple[Any, ...], Exchange] = {}
+        self.p2p: dict[tuple[Any, ...], tuple[deque[P2PWait], deque[P2PWait]]] = {}
+        self.pending: dict[int, Waitable] = {}  # global rank -> what it is blocked on
+        self.done: set[int] = set()
+        self.aborted: BaseException | None = None
+        self.abort_event = threading.Event()
+        self.groups: dict[tuple[Any, int], Any] = {}  # (group key, global rank) -> that rank's group
+        self.ranks = [_RankState() for _ in range(world_size)]
+
+    def reset(self) -> None:
+        """Start a new run on a warm session (called while no rank is inside a run)."""
+        with self.lock:
+            self.done.clear()
+            self.pending.clear()
+            self.aborted = None
+            self.abort_event.clear()
+            self.ranks = [_RankState() for _ in range(self.world_size)]
+
+    def leftovers(self) -> bool:
+        """Whether a run left a collective or a transfer half done (then the session cannot be reused)."""
+        with self.lock:
+            return bool(self.exchanges) or any(s or r for s, r in self.p2p.values())
+
+    def register_group(self, group: Any) -> None:
+        with self.lock:
+            self.groups[(group.key, group.global_ranks[group.rank_])] = group
+
+    def forget_groups(self, keep: set[Any]) -> None:
+        with self.lock:
+            self.groups = {k: g for k, g in self.groups.items() if g in keep}
+
+    def group_of(self, key: Any, global_rank: int) -> Any | None:
+        with self.lock:
+            return self.groups.get((key, global_rank))
+
+    def note_raised(self, rank: int, err: BaseException) -> None:
+        """Remember an error dstest raised into rank ``rank``'s code (checked when the rank finishes)."""
+        if 0 <= rank < self.world_size:
+            self.ranks[rank].raised.append(err)
+
+    def _raise(self, rank: int, err: BaseException) -> BaseException:
+        copy = _copy_error(err)
+        self.note_raised(rank, copy)
+        return copy
+
+    def _open(self, wait: Waitable) -> None:
+        self.ranks[wait.global_rank].open[id(wait)] = wait
+
+    def consume(self, wait: Waitable) -> None:
+        wait.consumed = True
+        if 0 <= wait.global_rank < self.world_size:
+            self.ranks[wait.global_rank].open.pop(id(wait), None)
+
+    # -- collectives ---------------------------------------------------------------------------------
+    def arrive(self, group: Any, call: C.Call) -> CollectiveWait:
+        call.check_local()
+        seq = group.next_seq()
+        key = (group.key, seq)
+        with self.lock:
+            self._check_alive()
+            ex = self.exchanges.get(key)
+            if ex is None:
+                ex = self.exchanges[key] = Exchange(group, seq)
+            wait = CollectiveWait(self, group.global_ranks[call.group_rank], call, ex)
+            if ex.error is not None:
+                raise self._raise(wait.global_rank, ex.error)
+            if ex.first is None:
+                ex.first = call
+            else:
+                why = call.check_peer(ex.first)
+                if why is not None:
+                    first_rank = ex.global_ranks[ex.first.group_rank]
+                    err = C.mismatch(
+                        f"collective mismatch on {ex.where}", first_rank, ex.first, wait.global_rank, call, why
+                    )
+                    self._fail_exchange(ex, err)
+                    raise self._raise(wait.global_rank, err)
+            ex.calls[call.group_rank] = call
+            ex.missing -= 1
+            ex.waits.append(wait)
+            self._open(wait)
+            if ex.missing:
+                gone = [g for g, c in zip(ex.global_ranks, ex.calls) if c is None and g in self.done]
+                if gone:
+                    self._doom_waits_needing(gone[0])
+                return wait
+            del self.exchanges[key]
+        self._complete(ex)
+        return wait
+
+    def _complete(self, ex: Exchange) -> None:
+        calls = [c for c in ex.calls if c is not None]
+        first = calls[0]
+        error: BaseException | None = None
+        try:
+            why = first.check_all(calls)
+            if why is not None:
+                error = CollectiveMismatch(
+                    f"collective mismatch on {ex.where}: {why}; calls: "
+                    + "; ".join(f"rank {g} called {c.describe()}" for g, c in zip(ex.global_ranks, calls))
+                )
+            else:
+                with torch.no_grad():
+                    ex.sources = first.combine(calls)
+        except Exception as exc:
+            error = exc
+        with self.lock:
+            ex.error = error
+            for w in ex.waits:
+                w.complete(error)
+
+    def _fail_exchange(self, ex: Exchange, err: BaseException) -> None:
+        ex.error = err
+        for w in ex.waits:
+            w.complete(err)
+
+    # -- point to point --------------------------------------------------------------------------------
+    def post_p2p(self, group: Any, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> P2PWait:
+        if not 0 <= peer < group.size_:
+            raise InvalidArgument(f"{kind}: peer rank {peer} is not in {group.label} (size {group.size_})")
+        me = group.rank_
+        src, dst = (me, peer) if kind == "send" else (peer, me)
+        where = f"group {group.label}"
+        wait = P2PWait(self, group.global_ranks[me], kind, tensor, group.global_ranks[peer], where, tag)
+        with self.lock:
+            self._check_alive()
+            if wait.peer in self.done:
+                err = CollectiveMismatch(
+                    f"rank {wait.global_rank} posted {wait.describe()}, but rank {wait.peer} has already "
+                    "finished its function: the transfer can never complete"
+                )
+                raise self._raise(wait.global_rank, err)
+            sends, recvs = self.p2p.setdefault((group.key, src, dst, tag), (deque(), deque()))
+            mine, theirs = (sends, recvs) if kind == "send" else (recvs, sends)
+            self._open(wait)
+            if not theirs:
+                mine.append(wait)
+                return wait
+            other = theirs.popleft()
+        send, recv = (wait, other) if kind == "send" else (other, wait)
+        error: BaseException | None = None
+        if C._sig(send.tensor) != C._sig(recv.tensor):
+            error = CollectiveMismatch(
+                f"point-to-point mismatch on {where}: rank {send.global_rank} called {send.describe()} but "
+                f"rank {recv.global_rank} called {recv.describe()}"
+            )
+        else:
+            with torch.no_grad():
+                recv.tensor.copy_(send.tensor)
+        with self.lock:
+            send.complete(error)
+            recv.complete(error)
+        return wait
+
+    # -- waiting, deadlocks, abort -------------------------------------------------------------------
+    def wait(self, waitable: Waitable) -> None:
+        rank = waitable.global_rank
+        with self.lock:
+            self.consume(waitable)
+        if not waitable.event.is_set():
+            with self.lock:
+                self._check_alive(rank)
+                self.pending[rank] = waitable
+                self._detect_deadlock()
+            waitable.event.wait()
+            with self.lock:
+                self.pending.pop(rank, None)
+        if waitable.error is not None:
+            raise self._raise(rank, waitable.error)
+        waitable.finish_once()
+
+    def hand_out_future(self, waitable: Waitable, fut: torch.futures.Future[Any]) -> None:
+        """Resolve ``fut`` when ``waitable`` completes (at once if it has)."""
+        with self.lock:
+            self.consume(waitable)
+            if not waitable.event.is_set():
+                waitable.futures.append(fut)
+                return
+        waitable._resolve(fut)
+
+    def rank_done(self, rank: int, returned: bool) -> BaseException | None:
+        """Rank ``rank`` finished its function (``returned``: without raising).
+
+        Fails every wait that still needs the rank, and returns the rank's own failure, if any: work it
+        left unmatched or unwaited, or an error dstest raised into it that its code caught.
+        """
+        with self.lock:
+            self.done.add(rank)
+            state = self.ranks[rank]
+            left = list(state.open.values())
+            state.open.clear()
+            raised = list(state.raised)
+            self._doom_waits_needing(rank)
+            self._detect_deadlock()
+        problem: BaseException | None = None
+        if left and self.aborted is None:
+            unmatched = [w for w in left if not w.event.is_set()]
+            unwaited = [w for w in left if w.event.is_set()]
+            for w in unwaited:  # as gloo would have: the caller's tensors hold the result
+                if w.error is None:
+                    try:
+                        w.finish_once()
+                    except Exception:  # noqa: BLE001 - reported below as unwaited work
+                        pass
+            lines = [f"  unmatched (no rank joined it): {w.describe()}" for w in unmatched]
+            lines += [f"  never waited (call .wait() on the work it returned): {w.describe()}" for w in unwaited]
+            problem = UnfinishedWork(
+                f"rank {rank} finished its function with work left over; every async collective and "
+                "transfer must be matched by its peers and waited:\n" + "\n".join(lines)
+            )
+        elif returned and raised and self.aborted is None:
+            first = raised[0]
+            problem = CollectiveMismatch(
+                f"rank {rank} finished its function although dstest raised {type(first).__name__} into it, "
+                f"which its code caught at {_caught_where(first)}: a mismatch fails the world even when "
+                f"caught. The error was: {first}"
+            )
+        return problem
+
+    def _doom_waits_needing(self, rank: int) -> None:
+        """Under the lock: fail every collective and transfer that still needs ``rank`` (it finished)."""
+        for key, ex in list(self.exchanges.items()):
+            if rank in ex.global_ranks and ex.calls[ex.global_ranks.index(rank)] is None:
+                del self.exchanges[key]
+                first = ex.first
+                posted = "; ".join(f"rank {w.global_rank} called {w.call.describe()}" for w in ex.waits)
+                err = CollectiveMismatch(
+                    f"rank {rank} finished its function without joining "
+                    f"{first.describe() if first is not None else 'a collective'} on {ex.where} ({posted}): "
+                    "it can never complete"
+                )
+                self._fail_exchange(ex, err)
+        for key, (sends, recvs) in list(self.p2p.items()):
+            for queue_ in (sends, recvs):
+                for w in [w for w in queue_ if w.peer == rank]:
+                    queue_.remove(w)
+                    w.complete(
+                        CollectiveMismatch(
+                            f"rank {rank} finished its function without matching rank {w.global_rank}'s "
+                            f"{w.describe()}: it can never complete"
+                        )
+                    )
+            if not sends and not recvs:
+                del self.p2p[key]
+
+    def _detect_deadlock(self) -> None:
+        """Called under the lock: fail every wait when no running rank is left to complete any of them."""
+        if self.aborted is not None or not self.pending:
+            return
+        if len(self.pending) + len(self.done) < self.world_size:
+            return  # someone is still running and may yet arrive
+        if any(w.event.is_set() for w in self.pending.values()):
+            return
+        lines = []
+        for rank in sorted(self.pending):
+            w = self.pending[rank]
+            needs = ", ".join(
+                f"rank {r} ({'finished its function' if r in self.done else 'waiting in ' + self.pending[r].describe() if r in self.pending else 'running'})"
+                for r in w.waiting_for()
+            )
+            lines.append(f"  rank {rank} waits in {w.describe()} for {needs}")
+        err = CollectiveMismatch(
+            "deadlock: every rank still running waits for a collective that cannot complete "
+            "(mismatched collectives, groups or peers):\n" + "\n".join(lines)
+        )
+        for w in list(self.pending.values()):
+            w.complete(err)
+
+    def _check_alive(self, rank: int | None = None) -> None:
+        if self.aborted is not None:
+            err = WorldAborted(str(self.aborted))
+            if rank is not None:
+                self.note_raised(rank, err)
+            raise err
+
+    def abort(self, reason: BaseException) -> bool:
+        """Fail every pending wait so that every rank unwinds (E3); False when already aborted."""
+        with self.lock:
+            if self.aborted is not None:
+                return False
+            self.aborted = reason
+            waits: list[Waitable] = [w for ex in self.exchanges.values() for w in ex.waits]
+            for sends, recvs in self.p2p.values():
+                waits.extend(sends)
+                waits.extend(recvs)
+            waits.extend(self.pending.values())
+            for r in self.ranks:
+                waits.extend(r.open.values())
+            for w in waits:
+                if not w.event.is_set():
+                    w.complete(WorldAborted(str(reason)))
+        self.abort_event.set()
+        return True
+
+
+def _copy_error(err: BaseException) -> BaseException:
+    """A fresh instance per raising rank: one exception object raised in several threads shares __traceback__."""
+    try:
+        return type(err)(*err.args)
+    except Exception:
+        return err
