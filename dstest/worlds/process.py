@@ -56,6 +56,7 @@ from dstest.errors import (
     InvalidArgument,
     RankFailure,
     UnfinishedWork,
+    UnguardedMain,
     WorkerDied,
     WorldAborted,
     WorldTimeout,
@@ -1495,12 +1496,14 @@ class _Pool:
                 elif obj in sentinels:
                     w = sentinels[obj]
                     w.process.join(0)
-                    self.start_failed = True
-                    self.kill()
-                    raise WorkerDied(
+                    # Described before the kill below closes the process objects.
+                    message = (
                         f"{self._label()}: rank {w.rank} (pid {w.pid}) {w.describe_exit()} while starting "
                         f"(importing torch and forming the {self.key.backend} group)\n" + self._logs([w.rank])
                     )
+                    self.start_failed = True
+                    self.kill()
+                    raise WorkerDied(message)
         self.ready = True
         self.start_seconds = time.monotonic() - self.started_at
 
@@ -1741,10 +1744,10 @@ def _rank_failure(
         exceptions[r] = _unpickle_exception(rep)
     for r, text in aborted.items():
         exceptions[r] = WorldAborted(text.splitlines()[0])
-    head = "; ".join(
-        f"rank {r}: {type(e).__name__}: {e}".splitlines()[0] for r, e in sorted(exceptions.items()) if r in failed
-    )
-    body = "\n".join(f"---- rank {r} ----\n{rep.traceback}" for r, rep in sorted(failed.items()))
+    # The first real error first: ranks that were only aborted because of it come after it.
+    order = sorted(failed, key=lambda r: (isinstance(exceptions[r], WorldAborted), r))
+    head = "; ".join(f"rank {r}: {type(exceptions[r]).__name__}: {exceptions[r]}".splitlines()[0] for r in order)
+    body = "\n".join(f"---- rank {r} ----\n{failed[r].traceback}" for r in order)
     tail = "".join(f"\n---- rank {r} (stopped) ----\n{text}" for r, text in sorted(aborted.items()))
     if pool_replaced:
         tail += "\nthe worker pool was replaced"
@@ -1932,6 +1935,79 @@ def pool_pids() -> dict[tuple[str, int], list[int]]:
 # ------------------------------------------------------------------------------------------------------
 
 
+def _check_not_bootstrapping(what: str) -> None:
+    """Refuse to start workers from a script's module level while multiprocessing re-imports that script.
+
+    Workers come from a fork server (or are spawned) that imports the main script as ``__mp_main__`` so
+    that its functions can be found by name. A script that calls the process world at module level,
+    without an ``if __name__ == "__main__":`` guard, would start workers again from inside that import,
+    and multiprocessing fails obscurely (in the parent: "process object is closed"). Say so instead.
+    """
+    fix = (
+        f"Move the call (dstest.run(..., world=\"process\") or ProcessWorld().{what}(...)) under "
+        f"`if __name__ == \"__main__\":` and keep the rank functions at module level"
+    )
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>":
+            name = frame.f_globals.get("__name__")
+            path = frame.f_globals.get("__file__")
+            if name == "__mp_main__":  # inside a worker's (or the fork server's) import of the script
+                raise UnguardedMain(
+                    f"the process world's {what}() was called at module level of {path} while "
+                    f"multiprocessing was importing that script in a worker process (as __mp_main__, to find "
+                    f"its functions by name): the call has no `if __name__ == \"__main__\":` guard, so every "
+                    f"worker would start workers of its own. {fix}"
+                )
+            if name == "__main__" and path and _main_reimported() and not _under_main_guard(path, frame.f_lineno):
+                raise UnguardedMain(
+                    f"the process world's {what}() is called at module level of {path} (line "
+                    f"{frame.f_lineno}) without an `if __name__ == \"__main__\":` guard: its worker processes "
+                    f"import that script to find the rank functions by name, and would run the call again, "
+                    f"each starting workers of its own. {fix}"
+                )
+        frame = frame.f_back
+
+
+def _main_reimported() -> bool:
+    """Whether multiprocessing re-imports this ``__main__`` in worker processes (as it decides it: a script
+    run by path, or ``python -m module``; never a package's ``__main__``, e.g. ``python -m dstest``)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", None)
+    return not (isinstance(name, str) and (name == "__main__" or name.endswith(".__main__")))
+
+
+def _under_main_guard(path: str, lineno: int) -> bool:
+    """Whether line ``lineno`` of the script ``path`` lies in the body of an ``if __name__ == "__main__":``
+    statement at its top level (True when the source cannot be read: then nothing is refused)."""
+    import ast
+
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return True
+    for node in tree.body:
+        if not node.lineno <= lineno <= (node.end_lineno or node.lineno):
+            continue
+        if not isinstance(node, ast.If) or not _is_main_test(node.test):
+            return False
+        return any(b.lineno <= lineno <= (b.end_lineno or b.lineno) for b in node.body)
+    return True
+
+
+def _is_main_test(test: Any) -> bool:
+    """``__name__ == "__main__"`` (either way round)."""
+    import ast
+
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s for s in sides if isinstance(s, ast.Name) and s.id == "__name__"]
+    consts = [s for s in sides if isinstance(s, ast.Constant) and s.value == "__main__"]
+    return len(names) == 1 and len(consts) == 1
+
+
 def _reference(fn: Callable[..., Any]) -> _FnRef:
     """How workers will find ``fn``; raises InvalidArgument when they could not."""
     from dstest.specification import spec_info
@@ -2006,6 +2082,7 @@ class ProcessWorld:
     ) -> list[Any]:
         check_run_arguments(world_size, timeout)
         __tracebackhide__ = True
+        _check_not_bootstrapping("run")
         ref = _reference(fn)
         pool = _pool_for(_PoolKey(self.backend, self.device, world_size), self.name)
         with pool.lock:
@@ -2017,11 +2094,13 @@ class ProcessWorld:
 
     def prestart(self, world_sizes: Sequence[int]) -> None:
         """Start the pools of these world sizes without waiting: they warm up while other work runs."""
+        _check_not_bootstrapping("prestart")
         for ws in world_sizes:
             _pool_for(_PoolKey(self.backend, self.device, ws), self.name)
 
     def warm(self, world_size: int) -> float:
         """Start (if needed) and wait for the pool of ``world_size`` ranks; returns its launch-to-ready seconds."""
+        _check_not_bootstrapping("warm")
         pool = _pool_for(_PoolKey(self.backend, self.device, world_size), self.name)
         with pool.lock:
             try:
