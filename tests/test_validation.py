@@ -212,6 +212,33 @@ def test_bad_options_are_usage_errors(pytester: pytest.Pytester, option: str, me
     result.stderr.fnmatch_lines([message])
 
 
+@pytest.mark.parametrize(
+    ("attr", "value", "message"),
+    [
+        ("dstest_timeout", "float('nan')", "*--dstest-timeout=nan: NaN is not a number of seconds*"),
+        ("dstest_target", "'bogus'", "*--dstest-target='bogus': unknown target; allowed: impl, deepspeed*"),
+        ("dstest_seed", "-2", "*--dstest-seed=-2: must be an int >= 0*"),
+    ],
+)
+def test_option_values_set_without_the_parser_are_checked(
+    pytester: pytest.Pytester, attr: str, value: str, message: str
+) -> None:
+    """A conftest that sets the option values directly still gets a usage error from pytest_configure."""
+    pytester.makeconftest(
+        f"""
+        import pytest
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_configure(config):
+            config.option.{attr} = {value}
+        """
+    )
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+
+
 def test_good_options_are_accepted(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("def test_nothing():\n    pass\n")
     for option in ("--dstest-target=deepspeed", "--dstest-timeout=86400", "--dstest-seed=7"):
