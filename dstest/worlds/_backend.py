@@ -62,13 +62,14 @@ def calling_rank() -> int | None:
 
 
 def translate_group(pg: Any) -> Any:
-    """The calling rank's own copy of another rank's group ``pg`` (same name and ranks), or None."""
+    """The calling rank's own copy of another rank's group ``pg`` (same name and ranks), or None when
+    ``pg`` is not a foreign group; raises (naming both ranks) when the caller has no such group."""
     if not isinstance(pg, Group):
         return None
     caller = calling_rank()
     if caller is None or caller == pg.owner:
         return None
-    return pg.session.group_of(pg.key, caller)
+    return pg._acting()
 
 
 class Work(dist._Work):  # type: ignore[misc, name-defined]

@@ -392,7 +392,11 @@ class Session:
                         w.finish_once()
                     except Exception:  # noqa: BLE001 - reported below as unwaited work
                         pass
-            lines = [f"  unmatched (no rank joined it): {w.describe()}" for w in unmatched]
+            lines = [
+                f"  never waited, and unmatched when the rank finished (missing ranks {w.waiting_for()}): "
+                f"{w.describe()}"
+                for w in unmatched
+            ]
             lines += [f"  never waited (call .wait() on the work it returned): {w.describe()}" for w in unwaited]
             problem = UnfinishedWork(
                 f"rank {rank} finished its function with work left over; every async collective and "
