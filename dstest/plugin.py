@@ -118,7 +118,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default="impl",
         help="system under test for the bundled specs: impl (default) or deepspeed",
     )
-    group.addoption(OPT_SEED, type=_parse_seed, default=0, help="base seed of every rank's generator, an int >= 0 (default 0)")
+    group.addoption(
+        OPT_SEED, type=_parse_seed, default=0, help="base seed of every rank's generator, an int >= 0 (default 0)"
+    )
     group.addoption(
         OPT_MARK_UNMARKED,
         type=_parse_mark,

@@ -137,7 +137,9 @@ def _as_worlds(worlds: object) -> tuple[str, ...] | None:
     if unknown:
         raise InvalidArgument(f"worlds={list(names)!r}: unknown {unknown}; allowed: {list(WORLD_NAMES)}")
     if not names:
-        raise InvalidArgument(f"worlds=[] names no world; leave it out for the default, or pick from {list(WORLD_NAMES)}")
+        raise InvalidArgument(
+            f"worlds=[] names no world; leave it out for the default, or pick from {list(WORLD_NAMES)}"
+        )
     repeated = sorted({w for w in names if names.count(w) > 1})
     if repeated:
         raise InvalidArgument(f"worlds={list(names)!r}: lists {repeated} more than once; give each world once")
@@ -375,9 +377,7 @@ def run(
     check_world_name(world)
     from dstest.worlds import get_world
 
-    results = get_world(world).run(
-        fn, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed, target=target
-    )
+    results = get_world(world).run(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed, target=target)
     _refuse_unrun_results(results, fn, generators=False)
     return results
 
@@ -436,9 +436,7 @@ def run_spec(
     if info.method:
         kwargs[INSTANCE_ARG] = _Instance(instance)
     timeout = info.timeout or settings.timeout
-    check_run_arguments(
-        case.world_size, timeout, info.fn, kwargs=kwargs, seed=settings.seed, target=settings.target
-    )
+    check_run_arguments(case.world_size, timeout, info.fn, kwargs=kwargs, seed=settings.seed, target=settings.target)
     try:
         results = world.run(
             info.fn,

@@ -439,15 +439,19 @@ def test_method_without_self_is_a_clear_collection_error(pytester: pytest.Pytest
     )
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.stdout.fnmatch_lines(
-        ["*InvalidSpec: spec TestNoSelf.test_forgot_self is a method of a test class, but its first parameter is "
-         "'ctx', not self: write def test_forgot_self(self, ctx, ...)*"]
+        [
+            "*InvalidSpec: spec TestNoSelf.test_forgot_self is a method of a test class, but its first parameter is "
+            "'ctx', not self: write def test_forgot_self(self, ctx, ...)*"
+        ]
     )
     result.stdout.no_fnmatch_line("*dstest_case*")
 
 
 def test_spec_method_needs_ctx_after_self() -> None:
     class Holder:
-        with pytest.raises(InvalidSpec, match=r"must take the rank context as its first positional argument after self"):
+        with pytest.raises(
+            InvalidSpec, match=r"must take the rank context as its first positional argument after self"
+        ):
 
             @dstest.spec(world_size=2)
             def test_only_self(self: Any) -> None: ...
