@@ -534,3 +534,34 @@ def test_process_world_methods_and_skip_location(pytester: pytest.Pytester) -> N
     line = _line(PROCESS_FILE, "<skip>")
     result.stdout.fnmatch_lines([f"SKIPPED [[]1[]] test_inprocesses.py:{line}: process skips"])
     result.assert_outcomes(passed=1, skipped=1)
+
+
+def test_run_accepts_a_spec_function_but_not_a_spec_method() -> None:
+    """``dstest.run`` on a ``@dstest.spec`` function runs its body; a spec method needs pytest's self."""
+    decorated = dstest.spec(world_size=2)(rank_body)
+    assert dstest.run(decorated, 3) == [0, 1, 2]
+
+    class Holder:
+        @dstest.spec(world_size=2)
+        def test_method(self: Any, ctx: Any) -> None: ...
+
+    with pytest.raises(InvalidSpec, match="is a spec method of a test class: run it through pytest"):
+        dstest.run(Holder.test_method, 2)
+
+
+def test_unpicklable_self_is_a_clear_error_for_the_process_world() -> None:
+    import pickle
+    import threading
+
+    from dstest.specification import _Instance
+
+    class Unpicklable:
+        lock = None
+
+        def __init__(self) -> None:
+            self.lock = threading.Lock()
+
+    with pytest.raises(InvalidArgument, match=r"self=.*does not pickle .*keep only picklable attributes on self"):
+        pickle.dumps(_Instance(Unpicklable()))
+    holder = pickle.loads(pickle.dumps(_Instance(Fraction(1, 3))))
+    assert holder.get() == Fraction(1, 3)
