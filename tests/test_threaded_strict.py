@@ -208,6 +208,7 @@ def test_worlds_work_after_torchs_own_threaded_helpers_switched_isolation_off():
         return dist.get_world_size(dist.new_group([0, 1]))
 
     assert warm.run(subgroups, 2) == [2, 2]
+    assert warm.run(subgroups, 3) == [2, 2, -1]  # a new crew registers its default group "0" per thread
     assert ThreadedWorld().run(subgroups, 2) == [2, 2]
 
 
