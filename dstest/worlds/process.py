@@ -63,7 +63,17 @@ from dstest.errors import (
 )
 from dstest.worlds.protocol import check_run_arguments
 
-__all__ = ["FAILURE_GRACE", "POOL_START_TIMEOUT", "ProcessWorld", "pool_pids", "shutdown_all"]
+__all__ = [
+    "DEFAULT_MAX_WARM_WORKERS",
+    "FAILURE_GRACE",
+    "MAX_WARM_WORKERS_ENV",
+    "POOL_START_TIMEOUT",
+    "ProcessWorld",
+    "max_warm_workers",
+    "pool_pids",
+    "shutdown_all",
+    "warm_worker_cap",
+]
 
 #: Seconds a pool may take to start and form its group (a cold fork server imports torch first).
 POOL_START_TIMEOUT = 180.0
@@ -75,8 +85,13 @@ FAILURE_GRACE = 1.0
 _BACKEND_TIMEOUT_S = 6 * 3600
 #: Seconds to wait for faulthandler's dump after signalling a worker.
 _STACK_WAIT_S = 1.0
-#: At most this many worker processes stay warm; least recently used pools are closed beyond it.
-_MAX_WORKERS = max(32, 4 * (os.cpu_count() or 1))
+#: The environment variable that caps the worker processes kept warm, all pools of this process together:
+#: an integer >= 0 (0 keeps none: every world runs cold). Read at each run.
+MAX_WARM_WORKERS_ENV = "DSTEST_PROCESS_MAX_WORKERS"
+#: The same cap as a setting of this module; when not None it wins over the environment variable.
+max_warm_workers: int | None = None
+#: The cap when neither is set.
+DEFAULT_MAX_WARM_WORKERS = max(32, 4 * (os.cpu_count() or 1))
 _OUTPUT_LIMIT = 1 << 20  # bytes of one rank's output forwarded per run
 _STOP = b"stop"
 
@@ -1847,6 +1862,7 @@ def _mp_context() -> Any:
 # point. They are reached only through _pool_for / shutdown_all, under _POOLS_LOCK.
 _POOLS: dict[_PoolKey, _Pool] = {}
 _POOLS_LOCK = threading.Lock()
+_COLD: set[_Pool] = set()  # pools of cold runs in progress (stopped by shutdown_all too)
 _ATEXIT_REGISTERED = False
 
 
@@ -1864,12 +1880,40 @@ def _pool_for(key: _PoolKey, world_name: str) -> _Pool:
         return pool
 
 
+def warm_worker_cap() -> int:
+    """The most worker processes kept warm across runs (all pools together).
+
+    ``max_warm_workers`` if set, else the ``DSTEST_PROCESS_MAX_WORKERS`` environment variable, else
+    ``DEFAULT_MAX_WARM_WORKERS``. Pools are kept in least-recently-used order: starting a pool closes the
+    idle pools used longest ago until the kept workers fit under the cap; a world larger than the cap
+    runs cold (its workers start for the run and stop after it).
+    """
+    value: object = max_warm_workers
+    source = "dstest.worlds.process.max_warm_workers"
+    if value is None:
+        raw = os.environ.get(MAX_WARM_WORKERS_ENV, "").strip()
+        if not raw:
+            return DEFAULT_MAX_WARM_WORKERS
+        source = f"the environment variable {MAX_WARM_WORKERS_ENV}"
+        try:
+            value = int(raw)
+        except ValueError:
+            value = raw
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgument(
+            f"{source}={value!r} must be an integer >= 0: the most worker processes the process world keeps "
+            f"warm across runs (0 keeps none)"
+        )
+    return value
+
+
 def _evict_for(extra: int) -> None:
-    """Close least recently used idle pools so that at most _MAX_WORKERS workers stay warm."""
+    """Close least recently used idle pools so that at most ``warm_worker_cap()`` workers stay warm."""
+    cap = warm_worker_cap()
     live = sorted((p for p in _POOLS.values() if not p.closed), key=lambda p: p.last_used)
     total = sum(p.key.world_size for p in live) + extra
     for pool in live:
-        if total <= _MAX_WORKERS:
+        if total <= cap:
             break
         if pool.lock.acquire(blocking=False):
             try:
@@ -1889,8 +1933,9 @@ def _replace(pool: _Pool) -> None:
 def shutdown_all() -> None:
     """Stop every worker of every pool of this process (the plugin calls it at session end; atexit too)."""
     with _POOLS_LOCK:
-        pools = list(_POOLS.values())
+        pools = list(_POOLS.values()) + list(_COLD)
         _POOLS.clear()
+        _COLD.clear()
     for pool in pools:  # ask all at once, then wait: a pool's workers exit in parallel with the others'
         for w in pool.workers:
             with contextlib.suppress(Exception):
@@ -1922,6 +1967,31 @@ def _stop_fork_server() -> None:
         os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(Exception):
         stop()  # closes its pipe, reaps it, removes its socket
+
+
+def _run_cold(
+    key: _PoolKey,
+    world_name: str,
+    ref: _FnRef,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout: float,
+    seed: int,
+    target: str,
+) -> list[Any]:
+    """One run on a pool of its own that is stopped after it (a world larger than the warm cap)."""
+    __tracebackhide__ = True
+    pool = _Pool(key, world_name).start()
+    with _POOLS_LOCK:
+        _COLD.add(pool)
+    try:
+        with pool.lock:
+            return pool.run(ref, args, kwargs, timeout, seed, target)
+    finally:
+        if not pool.closed:
+            pool.stop()
+        with _POOLS_LOCK:
+            _COLD.discard(pool)
 
 
 def pool_pids() -> dict[tuple[str, int], list[int]]:
@@ -2084,7 +2154,10 @@ class ProcessWorld:
         __tracebackhide__ = True
         _check_not_bootstrapping("run")
         ref = _reference(fn)
-        pool = _pool_for(_PoolKey(self.backend, self.device, world_size), self.name)
+        key = _PoolKey(self.backend, self.device, world_size)
+        if world_size > warm_worker_cap():
+            return _run_cold(key, self.name, ref, tuple(args), dict(kwargs or {}), timeout, seed, target)
+        pool = _pool_for(key, self.name)
         with pool.lock:
             try:
                 return pool.run(ref, tuple(args), dict(kwargs or {}), timeout, seed, target)
@@ -2096,12 +2169,23 @@ class ProcessWorld:
         """Start the pools of these world sizes without waiting: they warm up while other work runs."""
         _check_not_bootstrapping("prestart")
         for ws in world_sizes:
+            if ws > warm_worker_cap():
+                continue  # runs cold
             _pool_for(_PoolKey(self.backend, self.device, ws), self.name)
 
     def warm(self, world_size: int) -> float:
         """Start (if needed) and wait for the pool of ``world_size`` ranks; returns its launch-to-ready seconds."""
         _check_not_bootstrapping("warm")
-        pool = _pool_for(_PoolKey(self.backend, self.device, world_size), self.name)
+        key = _PoolKey(self.backend, self.device, world_size)
+        if world_size > warm_worker_cap():  # nothing is kept: measure a cold start
+            cold = _Pool(key, self.name).start()
+            try:
+                cold.wait_ready()
+            finally:
+                if not cold.closed:
+                    cold.stop()
+            return cold.start_seconds or 0.0
+        pool = _pool_for(key, self.name)
         with pool.lock:
             try:
                 pool.wait_ready()
