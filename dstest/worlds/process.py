@@ -407,6 +407,7 @@ def _install_checking(checker: _Checker) -> None:
             c10d._world.pg_backend_config[pg] = gloo_config
         return pg, store
 
+    helper.unchecked = original  # type: ignore[attr-defined]  # benchmarks build plain gloo groups with it
     c10d._new_process_group_helper = helper
 
 
