@@ -67,7 +67,7 @@ def translate_group(pg: Any) -> Any:
     if not isinstance(pg, Group):
         return None
     caller = calling_rank()
-    if caller is None or caller == pg.owner:
+    if caller is None or (caller == pg.owner and pg.session is getattr(binding, "session", None)):
         return None
     return pg._acting()
 
@@ -144,6 +144,14 @@ class Group(dist.ProcessGroup):
     def group_desc(self) -> str:  # type: ignore[override]
         return self._desc
 
+    def rank(self) -> int:  # type: ignore[override]
+        """The calling rank's rank in this group (c10d's ``get_rank``/``get_world_size`` ask the object:
+        a group object that crossed to another rank, or from an earlier world, answers for the caller)."""
+        return self._acting().rank_
+
+    def size(self) -> int:  # type: ignore[override]
+        return self._acting().size_
+
     def next_seq(self) -> int:
         self._seq += 1
         return self._seq
@@ -172,6 +180,9 @@ class Group(dist.ProcessGroup):
         in any world, and raises here, before anything is posted.
         """
         caller = calling_rank()
+        current = getattr(binding, "session", None)
+        if caller is not None and current is not None and current is not self.session:
+            return self._from_earlier_world(current, caller)
         if caller is None or caller == self.owner:
             return self
         mine = self.session.group_of(self.key, caller)
@@ -183,6 +194,24 @@ class Group(dist.ProcessGroup):
             "of processes every rank has its own group objects: create groups on every rank (dist.new_group "
             "on each) and keep them per rank, not in one object shared by all ranks; for code that keeps "
             "process groups in module globals use world='process'"
+        )
+
+    def _from_earlier_world(self, current: Any, caller: int) -> Group:
+        """A group object kept from an earlier world: a default argument evaluated at import (as
+        ``torch.distributed.nn.functional``'s ``group=group.WORLD``) or a module-level cache.
+
+        Such code, imported in each process of a world of processes, holds that process's world group;
+        the earlier world's world group therefore acts as the caller's world group of this world. Any
+        other group ended with its world: raise, naming it, rather than report the earlier world's fate.
+        """
+        if self.label == "world":
+            mine = current.group_of(("0", tuple(range(current.world_size))), caller)
+            if mine is not None:
+                return mine  # type: ignore[no-any-return]
+        raise InvalidArgument(
+            f"group {self.label} of rank {self.owner} was created by an earlier world (now finished) and used "
+            f"by rank {caller} of this one: process groups do not outlive their world. Create groups inside "
+            "the rank function on every rank, not at import or in a module-level cache kept across worlds"
         )
 
     def _post(self, call: C.Call) -> Work:
