@@ -35,7 +35,7 @@ _register_lock = threading.Lock()
 def register_backend() -> None:
     """Register the c10d backend once per process; idempotent, never an import side effect."""
     with _register_lock:
-        if BACKEND_NAME.upper() in dist.Backend._plugins:
+        if _compat.backend_registered(BACKEND_NAME):
             return
         devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
         dist.Backend.register_backend(BACKEND_NAME, _create_group, extended_api=True, devices=devices)
@@ -72,7 +72,7 @@ def translate_group(pg: Any) -> Any:
     return pg._acting()
 
 
-class Work(dist._Work):  # type: ignore[misc, name-defined]
+class Work(_compat.WorkBase):  # type: ignore[misc]
     """The handle a collective returns; ``wait()`` joins the rendezvous and copies this rank's result."""
 
     def __init__(self, waitable: Waitable) -> None:

@@ -16,9 +16,13 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 __all__ = [
+    "WorkBase",
     "adopt_rank_state",
+    "backend_registered",
+    "c10d_state",
     "current_rank_state",
     "drop_subgroups",
+    "hash_store",
     "init_rank_process_group",
     "reduce_op_name",
     "thread_local_c10d_world",
@@ -281,6 +285,25 @@ def drop_subgroups() -> None:
         if name is not None:
             with contextlib.suppress(RuntimeError, KeyError):
                 torch._C._distributed_c10d._unregister_process_group(name)
+
+
+def hash_store() -> Any:
+    """An in-memory c10d store for one world's rendezvous (threads of this process)."""
+    return torch._C._distributed_c10d.HashStore()
+
+
+def backend_registered(name: str) -> bool:
+    """Whether a c10d backend plugin of this name is registered (torch keeps them in ``Backend._plugins``)."""
+    return name.upper() in dist.Backend._plugins
+
+
+#: The base of the work handles a Python process group returns (``torch.distributed._Work``).
+WorkBase: Any = dist._Work  # type: ignore[attr-defined]
+
+
+def c10d_state() -> Any:
+    """The calling rank thread's c10d state (``distributed_c10d._world``, thread-local in a world)."""
+    return c10d._world
 
 
 _INIT_LOCK = threading.Lock()

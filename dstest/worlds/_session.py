@@ -26,6 +26,7 @@ import torch
 
 from dstest.errors import CollectiveMismatch, InvalidArgument, UnfinishedWork, WorkAborted, WorldAborted
 from dstest.worlds import _collectives as C
+from dstest.worlds import _compat
 
 __all__ = ["Done", "Session", "Waitable"]
 
@@ -187,7 +188,7 @@ class Session:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.lock = threading.Lock()
-        self.store = torch._C._distributed_c10d.HashStore()
+        self.store = _compat.hash_store()
         self.exchanges: dict[tuple[Any, ...], Exchange] = {}
         self.p2p: dict[tuple[Any, ...], tuple[deque[P2PWait], deque[P2PWait]]] = {}
         self.pending: dict[int, Waitable] = {}  # global rank -> what it is blocked on

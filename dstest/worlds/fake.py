@@ -34,7 +34,7 @@ class _FakeSession:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.lock = threading.Lock()
-        self.store = torch._C._distributed_c10d.HashStore()
+        self.store = _compat.hash_store()
         self.calls: dict[str, int] = {}
 
     def arrive(self, group: Any, call: C.Call) -> Done:
@@ -89,7 +89,7 @@ class FakeWorld:
         seed: int = 0,
         target: str = "impl",
     ) -> list[Any]:
-        check_run_arguments(world_size, timeout)
+        check_run_arguments(world_size, timeout, fn, args=args, kwargs=kwargs, seed=seed, target=target)
         ranks = self.ranks if self.ranks is not None else tuple(sorted({0, world_size - 1}))
         bad = [r for r in ranks if not 0 <= r < world_size]
         if bad:

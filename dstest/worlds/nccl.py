@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from dstest.worlds.protocol import check_run_arguments
+
 if TYPE_CHECKING:
     from dstest.worlds.process import ProcessWorld
 
@@ -59,6 +61,7 @@ class NcclWorld:
         seed: int = 0,
         target: str = "impl",
     ) -> list[Any]:
+        check_run_arguments(world_size, timeout, fn, args=args, kwargs=kwargs, seed=seed, target=target)
         found = _cuda_devices()
         if found == 0:
             from dstest.errors import InvalidWorldSize

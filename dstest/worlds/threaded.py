@@ -439,7 +439,7 @@ atexit.register(shutdown_all)
 
 def c10d_state() -> Any:
     """This rank thread's own c10d state (the thread-local world)."""
-    return dist.distributed_c10d._world
+    return _compat.c10d_state()
 
 
 class ThreadedWorld:
@@ -482,7 +482,7 @@ class ThreadedWorld:
         seed: int = 0,
         target: str = "impl",
     ) -> list[Any]:
-        check_run_arguments(world_size, timeout)
+        check_run_arguments(world_size, timeout, fn, args=args, kwargs=kwargs, seed=seed, target=target)
         register_backend()
         device = torch.device(self.device)
 
