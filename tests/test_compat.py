@@ -97,3 +97,29 @@ def test_thread_local_world_is_removed_when_the_last_world_ends():
     original = c10d._world
     ThreadedWorld().run(lambda ctx: None, 2)
     assert c10d._world is original
+
+
+def test_monitored_barrier_on_a_rank_thread_says_it_is_gloo_only_and_is_restored_afterwards():
+    """torch checks monitored_barrier's backend in Python (a bare ValueError, before the group is asked):
+    on a rank thread the group answers instead, naming gloo and what to do; the wrapper leaves with the world."""
+    from datetime import timedelta
+
+    from dstest.errors import InvalidArgument
+    from dstest.worlds.threaded import shutdown_all
+
+    shutdown_all()  # warm crews of earlier tests hold the installation
+    original = c10d.monitored_barrier
+
+    def body(ctx):
+        assert dist.monitored_barrier is not original
+        with pytest.raises(InvalidArgument, match="gloo") as info:
+            dist.monitored_barrier(timeout=timedelta(seconds=5))
+        assert "world='process'" in str(info.value)
+        sub = dist.new_group([0, 1])
+        with pytest.raises(InvalidArgument, match="gloo"):
+            dist.monitored_barrier(group=sub, timeout=timedelta(seconds=5))
+        dist.barrier()
+        return True
+
+    assert ThreadedWorld().run(body, 2) == [True, True]
+    assert c10d.monitored_barrier is original and dist.monitored_barrier is original

@@ -186,6 +186,22 @@ def _serialised_manual_seed(seed: Any) -> Any:
     return _INSTALL.saved["manual_seed"](seed)
 
 
+def _monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> Any:
+    """``dist.monitored_barrier`` while rank threads are installed.
+
+    torch implements monitored_barrier for gloo only and checks that in Python, raising a bare
+    ``ValueError`` before the group sees the call. On a rank thread whose group is a Python process group
+    from outside torch (dstest's), the group is asked instead, so its error can say why and what to do.
+    """
+    world = _INSTALL.world
+    if world is not None and world.current() is not None and c10d.is_initialized():
+        pg = c10d._get_default_group() if group is None or group is c10d.GroupMember.WORLD else group
+        refuse = getattr(pg, "monitoredBarrier", None)
+        if refuse is not None and not type(pg).__module__.startswith("torch"):
+            refuse(timeout, wait_all_ranks)
+    return _INSTALL.saved["monitored_barrier"](group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
+
+
 @contextlib.contextmanager
 def thread_local_c10d_world(
     capture: Callable[[], Callable[[], Any] | None] | None = None,
@@ -203,6 +219,7 @@ def thread_local_c10d_world(
     - ``threading.Thread.start`` is wrapped so that a thread started by a rank thread acts as that rank
       (``capture``), and ``torch.manual_seed`` so that the hosting world can hand torch's one global RNG
       to one rank at a time (``seed``); ``translate`` maps a foreign rank's group to the caller's own.
+    - ``dist.monitored_barrier`` is wrapped so that a non-gloo Python group explains torch's gloo-only limit.
     """
     with _INSTALL.lock:
         if _INSTALL.users == 0:
@@ -215,6 +232,8 @@ def thread_local_c10d_world(
             _INSTALL.saved["manual_seed"] = torch.manual_seed
             torch.manual_seed = _serialised_manual_seed  # type: ignore[assignment]
             torch.random.manual_seed = _serialised_manual_seed  # type: ignore[assignment]
+            _INSTALL.saved["monitored_barrier"] = c10d.monitored_barrier
+            c10d.monitored_barrier = dist.monitored_barrier = _monitored_barrier  # type: ignore[assignment]
         if capture is not None:
             _HOOKS.capture = capture
         if seed is not None:
@@ -235,6 +254,7 @@ def thread_local_c10d_world(
                 threading.Thread.start = _INSTALL.saved["start"]  # type: ignore[method-assign]
                 torch.manual_seed = _INSTALL.saved["manual_seed"]
                 torch.random.manual_seed = _INSTALL.saved["manual_seed"]
+                c10d.monitored_barrier = dist.monitored_barrier = _INSTALL.saved["monitored_barrier"]
                 _HOOKS.__init__()  # type: ignore[misc]
                 _INSTALL.world = None
                 _INSTALL.saved.clear()
