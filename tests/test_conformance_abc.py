@@ -1,4 +1,5 @@
-"""Collects the bundled specs of SPEC.md parts A, B and C (run against ``--dstest-target``, impl by default)."""
+"""Collects the bundled specs of SPEC.md parts A, B (stage 3 included) and C (run against
+``--dstest-target``, impl by default)."""
 
 from dstest.specs.grad_norm import *  # noqa: F403
 from dstest.specs.grad_reduction import *  # noqa: F403

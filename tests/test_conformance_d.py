@@ -1,3 +1,4 @@
-"""Collects the bundled specs of SPEC.md part D and stage-3 B2/B8 (run against ``--dstest-target``, impl by default)."""
+"""Collects the bundled specs of SPEC.md part D that go through the engine (run against ``--dstest-target``,
+impl by default); impl's component checks are in ``test_impl_zero3_components.py``."""
 
 from dstest.specs.zero3 import *  # noqa: F403

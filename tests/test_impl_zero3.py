@@ -1,12 +1,12 @@
-"""impl's stage 3 beyond the conformance specs: the specs themselves catch broken implementations
-(mutants), engine-level counts (D2, D4, D6), why saved views are recorded by identity, mixed precision,
-overflow, checkpoints, shared parameters, and the pool and partition helpers on their own.
+"""impl's stage 3 beyond the conformance specs and the component checks (those, with the mutants they
+catch, are in ``test_impl_zero3_components.py``): the D2 message, engine-level counts (D2, D4, D6), why
+saved views are recorded by identity, mixed precision, overflow, checkpoints, shared parameters, and the
+pool and partition helpers on their own.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +14,7 @@ import pytest
 import torch
 
 import dstest
-from dstest.errors import RankFailure
-from dstest.specification import spec_info
-from dstest.specs import assert_close_rel, batch, config, mse
-from dstest.specs import zero3 as specs
+from dstest.specs import Deep13, Hidden13, assert_close_rel, batch, build, config, micro_step, mse
 from impl.zero.gather import BufferPool
 from impl.zero.partition import (
     RegistrationError,
@@ -31,56 +28,20 @@ from impl.zero.partition import (
 pytestmark = pytest.mark.cpu
 
 
-def _body(spec_fn: Callable[..., Any]) -> Callable[..., Any]:
-    info = spec_info(spec_fn)
-    assert info is not None
-    return info.fn
-
-
-def _engine(ctx: Any, stage: int, cls: type = specs.Hidden13, **cfg: Any) -> Any:
+def _engine(ctx: Any, stage: int, cls: type = Hidden13, **cfg: Any) -> Any:
     import impl
 
-    model = specs._build(cls, ctx)
+    model = build(cls, device=ctx.device)
     return impl.initialize(model=model, config=config(stage, cfg.pop("op", "mean"), **cfg))
 
 
-def _step(ctx: Any, engine: Any, step: int, cls: type = specs.Hidden13) -> float:
-    loss = specs._train(ctx, engine, step, cls)
+def _step(ctx: Any, engine: Any, step: int, cls: type = Hidden13) -> float:
+    loss = micro_step(ctx, engine, step, cls)
     engine.step()
     return loss
 
 
-# -- the specs catch broken implementations ------------------------------------------------------------
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_d2_spec_fails_when_the_check_compares_metadata(monkeypatch: pytest.MonkeyPatch, world_size: int) -> None:
-    """A check that sends the layout's P instead of the real shard size passes every correct run and
-    misses the corruption: the D2 spec must fail on it."""
-    body = _body(specs.test_d2_corrupted_shard_is_caught)
-    dstest.run(body, world_size, kwargs={"corruption": "short"})  # the real check: the spec passes
-
-    import impl.zero.partition as partition_mod
-
-    monkeypatch.setattr(partition_mod, "_local_sizes", lambda shards: [s.layout.stored(s.rank) for s in shards])
-    with pytest.raises(RankFailure, match="DID NOT RAISE"):
-        dstest.run(body, world_size, kwargs={"corruption": "short"})
-
-
-def test_d2_spec_fails_when_the_check_is_one_collective_per_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
-    import impl.zero.partition as partition_mod
-
-    original = partition_mod.check_registration
-
-    def per_parameter(shards: Any, group: Any, *, comm: Any = None) -> None:
-        for s in shards:
-            original([s], group, comm=comm)
-
-    body = _body(specs.test_d2_registration_check_is_one_collective)
-    dstest.run(body, 3)
-    monkeypatch.setattr(partition_mod, "check_registration", per_parameter)
-    with pytest.raises(RankFailure, match="expected 1 collective"):
-        dstest.run(body, 3)
+# -- the registration error ------------------------------------------------------------------------------
 
 
 def test_d2_error_message_names_parameter_rank_and_sizes() -> None:
@@ -162,9 +123,9 @@ def test_saved_views_are_recorded_by_identity_not_storage(monkeypatch: pytest.Mo
     With the saved-tensor hooks stage 3 equals stage 0 exactly; without them the gradients are wrong."""
 
     def body(ctx: Any) -> tuple[int, bool]:
-        ref, s3 = _engine(ctx, 0, specs.Deep13), _engine(ctx, 3, specs.Deep13)
+        ref, s3 = _engine(ctx, 0, Deep13), _engine(ctx, 3, Deep13)
         for engine in (ref, s3):
-            specs._train(ctx, engine, 0, specs.Deep13)
+            micro_step(ctx, engine, 0, Deep13)
         grads_ref, grads_s3 = ref.full_gradients(), s3.full_gradients()
         same = all(torch.equal(grads_ref[k], grads_s3[k]) for k in grads_ref)
         return s3.stage.pool.allocations, same
@@ -192,7 +153,7 @@ def test_half_precision_stage3_trains_like_stage0(dtype: str) -> None:
 
         engines = {}
         for s in (0, 3):
-            model = specs._build(specs.Hidden13, ctx)
+            model = build(Hidden13, device=ctx.device)
             engines[s] = impl.initialize(model=model, config=config(s, "mean", optimizer="AdamW", lr=0.01, **top))
         assert engines[3].state_bytes()["param_shards"] > 0, "half-precision shards beside the fp32 master"
         for step in range(3):
@@ -209,7 +170,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere() -> None:
     def body(ctx: Any) -> None:
         import impl
 
-        model = specs._build(specs.Hidden13, ctx)
+        model = build(Hidden13, device=ctx.device)
         fp16 = {"fp16": {"enabled": True, "initial_scale_power": 4}}
         engine = impl.initialize(model=model, config=config(3, "mean", **fp16))
         before = engine.full_parameters()
@@ -270,7 +231,7 @@ def test_shared_and_tied_parameters_and_unused_ones() -> None:
         ref, s3 = _engine(ctx, 0, _Shared), _engine(ctx, 3, _Shared)
         for step in range(3):
             for engine in (ref, s3):
-                specs._train(ctx, engine, step, _Shared)
+                micro_step(ctx, engine, step, _Shared)
             g0, g3 = ref.full_gradients(), s3.full_gradients()
             assert set(g3) == {"a.weight", "a.bias", "b.bias", "unused"}
             assert_close_rel(g3, g0, 1e-6, f"step {step}: gradients")

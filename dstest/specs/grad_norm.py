@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dstest
-from dstest.specs import (
+from dstest.specs._helpers import (
     DTYPE_CONFIGS,
     assert_close_rel,
     batch,

@@ -1,4 +1,8 @@
-"""SPEC part B: ``gradient_allreduce_op`` "mean" | "sum" (stages 0-2; stage 3 joins via the target's features).
+"""SPEC part B: ``gradient_allreduce_op`` "mean" | "sum" at stages 0-2, and B2 and B8 at stage 3.
+
+The stage-3 specs (``test_b2_stage3_*``, ``test_b8_stage3_*``) use :class:`Hidden13` (hidden size 13) and
+skip a target without the "stage3" feature; their reduction paths are
+:data:`~dstest.specs._helpers.STAGE3_PATHS`.
 
 Every gradient check compares with an exact fp64 reference computed from every rank's data (which any
 rank can regenerate), on a model whose parameter sizes are not divisible by W, with different data per
@@ -15,8 +19,10 @@ import torch
 import torch.distributed as dist
 
 import dstest
-from dstest.specs import (
+from dstest.specs._helpers import (
     PATHS,
+    STAGE3_PATHS,
+    Hidden13,
     WideNet,
     assert_close_rel,
     batch,
@@ -288,3 +294,40 @@ def test_b9_state_is_partitioned(ctx: Any, stage: int) -> None:
             f"stage {stage}, W={ctx.world_size}: {key} holds {got} bytes, expected {want} "
             f"(1/W of {n} fp32 elements plus padding) within 5%"
         )
+
+
+# -- B2, B8 at stage 3 --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", list(STAGE3_PATHS))
+@dstest.spec(world_size=[1, 2, 3], contract="B2")
+def test_b2_stage3_sum_is_w_times_mean(ctx: Any, path: str) -> None:
+    """Stage 3: mean is (1/W)·Σ g_r (fp64 reference), sum is Σ g_r = W x mean, on every reduction path."""
+    require(ctx.target, "stage3")
+    zero, top = STAGE3_PATHS[path]
+    gas = top.get("gradient_accumulation_steps", 1)
+    W = ctx.world_size
+    batches = [[batch(ctx.seed, r, k, d_in=Hidden13.d_in, d_out=Hidden13.d_out) for k in range(gas)] for r in range(W)]
+    got = {}
+    for op in OPS:
+        engine = ctx.target.initialize(build(Hidden13, device=ctx.device), config(3, op, zero=zero, **top))
+        _, got[op] = train_step(ctx, engine, 0, gas, model_cls=Hidden13)
+        want = reference_grads(lambda: build(Hidden13), batches, op)
+        assert_close_rel(got[op], want, 1e-6, f"{op} at stage 3, path {path}")
+    assert_close_rel(got["sum"], {k: W * v for k, v in got["mean"].items()}, 1e-6, "sum vs W x mean")
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
+@dstest.spec(world_size=[1, 2, 3], contract="B8")
+def test_b8_stage3_sum_over_w_trains_like_mean(ctx: Any, optimizer: str) -> None:
+    """Stage 3, 5 steps: a "sum" run whose loss is divided by W matches a "mean" run step by step."""
+    require(ctx.target, "stage3")
+    W = ctx.world_size
+    mean = ctx.target.initialize(build(Hidden13, device=ctx.device), config(3, "mean", optimizer=optimizer, lr=0.05))
+    summ = ctx.target.initialize(build(Hidden13, device=ctx.device), config(3, "sum", optimizer=optimizer, lr=0.05))
+    for step in range(5):
+        loss_m, grads_m = train_step(ctx, mean, step, model_cls=Hidden13)
+        loss_s, grads_s = train_step(ctx, summ, step, scale_loss=1.0 / W, model_cls=Hidden13)
+        assert abs(loss_m - loss_s) <= 1e-6 * max(abs(loss_m), 1e-12), f"step {step}: loss {loss_s} != {loss_m}"
+        assert_close_rel(grads_s, grads_m, 1e-6, f"step {step}: full gradients")
+        assert_close_rel(summ.full_parameters(), mean.full_parameters(), 1e-6, f"step {step}: fp32 parameters")

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import dstest
 from dstest.groups import TOPOLOGIES, topologies_for
-from dstest.specs import batch, build, config, mse
+from dstest.specs._helpers import batch, build, config, mse
 from dstest.targets import require
 
 OPS = ("mean", "sum")

@@ -44,7 +44,6 @@ FEATURES = frozenset(
         "grad_multiplier",  # engine.last_grad_multiplier()
         "checkpoint",  # engine.save_checkpoint / load_checkpoint
         "config_check",  # target.check_config(config)
-        "impl_components",  # the spec drives impl's own ZeRO-3 pieces (partition, gather, check) directly
     }
 )  # fmt: skip
 
