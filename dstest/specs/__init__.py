@@ -12,46 +12,7 @@ tests and for spec authors outside the package.
 
 from __future__ import annotations
 
-from dstest.specs._helpers import (
-    DTYPE_CONFIGS,
-    PATHS,
-    SIZE_KINDS,
-    STAGE3_PATHS,
-    Deep13,
-    Hidden13,
-    SpecNet,
-    WideNet,
-    assert_close_rel,
-    batch,
-    broadcast_tmpdir,
-    build,
-    config,
-    micro_step,
-    mse,
-    path_config,
-    reference_grads,
-    rel_err,
-    train_step,
-)
+from dstest.specs import _helpers
+from dstest.specs._helpers import *  # noqa: F403  (listed once: _helpers.__all__)
 
-__all__ = [
-    "DTYPE_CONFIGS",
-    "PATHS",
-    "SIZE_KINDS",
-    "STAGE3_PATHS",
-    "Deep13",
-    "Hidden13",
-    "SpecNet",
-    "WideNet",
-    "assert_close_rel",
-    "batch",
-    "broadcast_tmpdir",
-    "build",
-    "config",
-    "micro_step",
-    "mse",
-    "path_config",
-    "reference_grads",
-    "rel_err",
-    "train_step",
-]
+__all__ = list(_helpers.__all__)

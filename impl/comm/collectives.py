@@ -1,5 +1,10 @@
 """Guarded, counted collectives: the only place impl calls ``torch.distributed`` collectives.
 
+Every other module of impl communicates through the functions below or a :class:`Comm` (the stages, the
+partition check, the gatherer, and the uneven-shard allgather of :mod:`impl.ops.allgather`), so a
+:class:`CommStats` sees every collective impl issues; ``tests/test_impl_comm.py`` checks that no other
+module calls one.
+
 Every function here:
 
 * is guarded by :func:`~impl.comm.pg_utils.is_parallel` (A5): on an absent (``None``), single-rank or
@@ -95,16 +100,33 @@ def _with_contiguous(tensor: torch.Tensor, fn: Callable[[torch.Tensor], None]) -
     return tensor
 
 
-def _reduce_scatter_fn() -> Callable[..., Any]:
+def _one_rank_result(output: torch.Tensor, input: torch.Tensor, op: str) -> torch.Tensor:
+    """What a reshaping collective ``op`` gives on a one-rank group: ``output`` receives ``input``.
+
+    The sizes must then be equal; a mismatch is a ValueError naming both, raised with nothing issued.
+    """
+    if output.numel() != input.numel():
+        raise ValueError(
+            f"{op} on a group that is not parallel: output has {output.numel()} elements, "
+            f"input {input.numel()}; a one-rank {op} needs them equal"
+        )
+    output.copy_(input.reshape(output.shape))
+    return output
+
+
+def _renamed(new: str, old: str) -> Callable[..., Any]:
+    """``torch.distributed.<new>`` (torch >= 2.13), else ``<old>`` (torch 2.11, 2.12)."""
     dist = _dist()
-    fn = getattr(dist, "reduce_scatter_single", None)  # torch >= 2.13
-    return fn if fn is not None else dist.reduce_scatter_tensor  # type: ignore[no-any-return]
+    fn = getattr(dist, new, None)
+    return fn if fn is not None else getattr(dist, old)  # type: ignore[no-any-return]
+
+
+def _reduce_scatter_fn() -> Callable[..., Any]:
+    return _renamed("reduce_scatter_single", "reduce_scatter_tensor")
 
 
 def _all_gather_fn() -> Callable[..., Any]:
-    dist = _dist()
-    fn = getattr(dist, "all_gather_single", None)  # torch >= 2.13
-    return fn if fn is not None else dist.all_gather_into_tensor  # type: ignore[no-any-return]
+    return _renamed("all_gather_single", "all_gather_into_tensor")
 
 
 def all_reduce(tensor: torch.Tensor, group: Any, op: str = "sum", *, stats: CommStats | None = None) -> torch.Tensor:
@@ -127,13 +149,7 @@ def reduce_scatter(
     Not parallel: ``output`` receives ``input`` (the one-rank result); sizes must then be equal.
     """
     if not is_parallel(group):
-        if output.numel() != input.numel():
-            raise ValueError(
-                f"reduce_scatter on a group that is not parallel: output has {output.numel()} elements, "
-                f"input {input.numel()}; a one-rank reduce_scatter needs them equal"
-            )
-        output.copy_(input.reshape(output.shape))
-        return output
+        return _one_rank_result(output, input, "reduce_scatter")
     red = _reduce_op(op)
     _record(stats, "reduce_scatter")
     src = input if input.is_contiguous() else input.contiguous()
@@ -148,13 +164,7 @@ def all_gather_into(
     Not parallel: ``output`` receives ``input``; sizes must then be equal.
     """
     if not is_parallel(group):
-        if output.numel() != input.numel():
-            raise ValueError(
-                f"all_gather on a group that is not parallel: output has {output.numel()} elements, "
-                f"input {input.numel()}; a one-rank all_gather needs them equal"
-            )
-        output.copy_(input.reshape(output.shape))
-        return output
+        return _one_rank_result(output, input, "all_gather")
     _record(stats, "all_gather")
     src = input if input.is_contiguous() else input.contiguous()
     return _with_contiguous(output, lambda out: _all_gather_fn()(out, src, group=group))

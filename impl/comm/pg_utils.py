@@ -19,21 +19,24 @@ from typing import Any
 __all__ = ["effective_rank", "effective_size", "is_member", "is_parallel"]
 
 
-def _non_member(group: Any) -> bool:
+def _size_seen(group: Any) -> int:
+    """The group's size as the caller sees it: 0 for ``None``, a non-member or an uninitialised world.
+
+    ``get_world_size`` reads the group's local state, so this issues no collective; it is -1 for a
+    non-member that holds a group handle, which is less than 1 as well.
+    """
+    if group is None:  # A1: touches nothing, works before init_process_group
+        return 0
     import torch.distributed as dist
 
-    return group is dist.GroupMember.NON_GROUP_MEMBER
+    if group is dist.GroupMember.NON_GROUP_MEMBER or not dist.is_initialized():
+        return 0
+    return int(dist.get_world_size(group))
 
 
 def is_member(group: Any) -> bool:
     """Whether the caller belongs to ``group`` (False for ``None`` and for a non-member). No collective."""
-    if group is None:
-        return False
-    import torch.distributed as dist
-
-    if _non_member(group) or not dist.is_initialized():
-        return False
-    return bool(dist.get_world_size(group) >= 1)
+    return _size_seen(group) >= 1
 
 
 def is_parallel(group: Any) -> bool:
@@ -48,14 +51,7 @@ def is_parallel(group: Any) -> bool:
     two or more ranks including the caller    True
     ========================================  =======
     """
-    if group is None:
-        return False
-    import torch.distributed as dist
-
-    if _non_member(group) or not dist.is_initialized():
-        return False
-    # get_world_size reads the group's local state; it is -1 for a non-member that holds a group handle.
-    return bool(dist.get_world_size(group) >= 2)
+    return _size_seen(group) >= 2
 
 
 def effective_size(group: Any) -> int:

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 import torch.utils.cpp_extension as cpp_extension
 
+from impl.ops._fakes import register_fakes
+
 __all__ = ["ENV_EXT_DIR", "ExtensionBuildError", "ExtensionInfo", "build_key", "extension_dir", "load_extension"]
 
 #: Environment variable naming the base directory of the build cache.
@@ -105,11 +107,7 @@ def _load_once() -> ExtensionInfo:
             f"A C++ compiler and ninja are needed (and nvcc for CUDA); {ENV_EXT_DIR} chooses the cache "
             'directory; impl="reference" runs the pure-torch compaction without the build.'
         ) from exc
-    # The fake implementations live next to the Python API; imported here, not at the top, because
-    # that module imports this one.
-    from .allgather import _register_fakes
-
-    _register_fakes()
+    register_fakes()  # only now: a fake needs the op the library defines
     return ExtensionInfo(
         library=Path(str(library)) if library else build_dir / f"{_NAME}.so",
         build_dir=build_dir,

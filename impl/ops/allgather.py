@@ -6,7 +6,8 @@ call. One gather is:
 
 1. pack: the local shard goes into a contiguous send buffer of ``P = max(counts)`` elements
    (the tail is padding and never read back);
-2. one ``all_gather_into_tensor`` of ``W * P`` elements into a padded buffer;
+2. one all-gather of ``W * P`` elements into a padded buffer, issued through impl's guarded, counted
+   collectives (:func:`impl.comm.collectives.all_gather_into`; pass ``comm=Comm(stats)`` to count it);
 3. one compaction: rank r's first ``counts[r]`` elements of row r, concatenated. On CUDA that is one
    kernel launch (``csrc/allgather_compact.cu``), on CPU a C++ op (``csrc/allgather_compact_cpu.cpp``).
 
@@ -39,7 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _build
+from impl.comm.collectives import Comm
+from impl.ops import _build
 
 __all__ = [
     "AllgatherV",
@@ -276,28 +278,6 @@ def _compact_layout(padded: Tensor, layout: _Layout, out: Tensor | None, impl: s
     return list(torch.split(flat, list(layout.totals)))
 
 
-def _register_fakes() -> None:
-    """Fake (meta) implementations, so the ops work under FakeTensor and torch.compile.
-
-    Called once, right after the library is loaded (``_build.load_extension``).
-    """
-
-    def compact_fake(padded: Tensor, counts: Sequence[int]) -> Tensor:
-        return padded.new_empty((sum(counts),))
-
-    def compact_grouped_fake(padded: Tensor, counts: Sequence[int], shard_sizes: Sequence[int]) -> Tensor:
-        return padded.new_empty((sum(counts),))
-
-    def compact_grouped_out_fake(
-        padded: Tensor, counts: Sequence[int], shard_sizes: Sequence[int], out: Tensor
-    ) -> None:
-        return None
-
-    torch.library.register_fake("dstest_impl::compact", compact_fake)
-    torch.library.register_fake("dstest_impl::compact_grouped", compact_grouped_fake)
-    torch.library.register_fake("dstest_impl::compact_grouped_out", compact_grouped_out_fake)
-
-
 # --------------------------------------------------------------------------------------------------
 # The allgather
 
@@ -319,16 +299,12 @@ def _world_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return world, dist.get_rank(group)
 
 
-# torch 2.13 deprecates all_gather_into_tensor (FutureWarning) in favour of all_gather_single, which
-# earlier releases lack.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 class GroupedAllgatherV:
     """Gathers several uneven-shard tensors in one collective and one compaction launch (D5, D6).
 
     ``counts_list[t][r]`` is the element count of tensor t on rank r of ``group``, fixed here. The
-    padded send and receive buffers are allocated once per (dtype, device) and reused by every call.
+    padded send and receive buffers are allocated once per (dtype, device) and reused by every call. The
+    gather goes through ``comm`` (``Comm(stats)`` counts it as one "all_gather"; default: uncounted).
 
     Per rank, W = 2, ``counts_list = [[2, 1], [0, 3]]``::
 
@@ -342,6 +318,7 @@ class GroupedAllgatherV:
         group: dist.ProcessGroup | None = None,
         *,
         impl: Impl = "native",
+        comm: Comm | None = None,
     ) -> None:
         _check_impl(impl)
         self._layout = _layout(counts_list, None)
@@ -353,6 +330,7 @@ class GroupedAllgatherV:
             )
         self._group = group
         self._impl: Impl = impl
+        self._comm = comm if comm is not None else Comm(None)
         self._buffers: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
         self._allocations = 0
 
@@ -441,7 +419,7 @@ class GroupedAllgatherV:
                 slots[0].copy_(tensors[0])
             else:
                 torch._foreach_copy_(slots, tensors)  # one multi-tensor launch on CUDA
-            _all_gather_single(padded, send, group=self._group)
+            self._comm.all_gather_into(padded, send, self._group)
             return _compact_layout(padded, layout, flat, self._impl)
 
 
@@ -449,7 +427,7 @@ class AllgatherV:
     """Allgather-v of one tensor whose per-rank counts are fixed here (SPEC D5).
 
     ``counts[r]`` is rank r's element count. Each call packs the local shard into a reused padded send
-    buffer of ``max(counts)`` elements, runs one ``all_gather_into_tensor`` into a reused buffer of
+    buffer of ``max(counts)`` elements, runs one all-gather (through ``comm``) into a reused buffer of
     ``W * max(counts)`` elements and one compaction into the exact concatenation (``sum(counts)``
     elements, 1-D).
 
@@ -466,9 +444,10 @@ class AllgatherV:
         group: dist.ProcessGroup | None = None,
         *,
         impl: Impl = "native",
+        comm: Comm | None = None,
     ) -> None:
         checked = _check_counts(counts, "counts")
-        self._grouped = GroupedAllgatherV([checked], group, impl=impl)
+        self._grouped = GroupedAllgatherV([checked], group, impl=impl, comm=comm)
 
     @property
     def counts(self) -> tuple[int, ...]:
@@ -515,13 +494,14 @@ def allgather_v(
     *,
     out: Tensor | None = None,
     impl: Impl = "native",
+    comm: Comm | None = None,
 ) -> Tensor:
     """One-shot :class:`AllgatherV`: gathers ``local`` (``counts[rank]`` elements) from every rank.
 
     Returns the 1-D concatenation of all ranks' shards (``sum(counts)`` elements), or writes it into
     ``out``. For repeated gathers keep an :class:`AllgatherV`, which reuses its buffers.
     """
-    return AllgatherV(counts, group, impl=impl)(local, out=out)
+    return AllgatherV(counts, group, impl=impl, comm=comm)(local, out=out)
 
 
 def allgather_v_many(
@@ -531,6 +511,7 @@ def allgather_v_many(
     *,
     out: Tensor | None = None,
     impl: Impl = "native",
+    comm: Comm | None = None,
 ) -> list[Tensor]:
     """One-shot :class:`GroupedAllgatherV`: one collective and one compaction for several tensors."""
-    return GroupedAllgatherV(counts_list, group, impl=impl)(locals, out=out)
+    return GroupedAllgatherV(counts_list, group, impl=impl, comm=comm)(locals, out=out)
