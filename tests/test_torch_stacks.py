@@ -372,6 +372,33 @@ def test_fsdp2_mixed_precision_bf16(ctx):
         _close(p.full_tensor(), q.detach(), rtol=1e-2, atol=1e-3)
 
 
+# torch 2.13 warns that the root returns a view (RowwiseParallel's to_local output); nothing here edits it in place.
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor:UserWarning")
+@dstest.spec(world_size=[4], worlds=WORLDS)
+def test_fsdp2_with_tensor_parallel_on_a_2d_mesh(ctx):
+    """2-D parallelism on a (dp=2, tp=2) mesh: Colwise/Rowwise on tp, fully_shard on dp, 2 SGD steps; the dp
+    ranks split the global batch, the tp ranks of one dp index see the same rows: equals the reference."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = _cpu_mesh(2, 2, names=("dp", "tp"))
+    dp = ctx.rank // 2
+    model = _mlp(8, dims=(5, 6, 3))  # hidden 6 over tp=2; 6 rows over dp=2 after the tp split: 3 -> uneven
+    batches = _global_batches(2, 2, 2, 5, 3)
+    ref = _reference_train(model, "sgd", batches)
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    opt = _optimizer("sgd", model.parameters())
+    for x, y in batches:
+        opt.zero_grad()
+        sl = slice(dp * 2, dp * 2 + 2)
+        nn.functional.mse_loss(model(x[sl]), y[sl]).backward()
+        opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.device_mesh.ndim == 2
+        _close(p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-5)
+
+
 # -- tensor parallel -----------------------------------------------------------------------------------------
 @dstest.spec(world_size=SIZES, worlds=WORLDS)
 def test_tensor_parallel_colwise_rowwise(ctx):
