@@ -17,6 +17,7 @@ __all__ = [
     "RankFailure",
     "UnfinishedWork",
     "UnguardedMain",
+    "UnknownFeature",
     "WorkAborted",
     "WorkerDied",
     "WorldAborted",
@@ -40,6 +41,11 @@ class InvalidSpec(InvalidArgument):
     """A spec body dstest cannot run as written: a generator or ``async def`` function (calling it would run
     nothing), or a method that does not take ``self`` first. The message says what to write instead.
     """
+
+
+class UnknownFeature(InvalidArgument):
+    """A spec asked a target about a feature that is not one of ``dstest.targets.FEATURES`` (a typo in the
+    spec, not a gap of the target); the message lists the allowed names."""
 
 
 class CollectiveMismatch(DstestError, RuntimeError):

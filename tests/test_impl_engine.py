@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import re
 import types
 from typing import Any
 
@@ -190,3 +191,18 @@ def test_no_module_level_mutable_state() -> None:
             if isinstance(value, (dict, list, set, bytearray)) or type(value).__name__ in ("Counter", "local"):
                 offenders.append(f"{module.__name__}.{name}: {type(value).__name__}")
     assert not offenders, offenders
+
+
+def test_build_stage_names_every_available_stage() -> None:
+    """An unknown stage number is a clear error listing the stages this impl has, stage 3 included."""
+    import importlib.util
+
+    from impl.config import NotSupportedError
+    from impl.zero import build_stage
+
+    allowed = "[0, 1, 2, 3]" if importlib.util.find_spec("impl.zero.stage3") is not None else "[0, 1, 2]"
+    with pytest.raises(
+        NotSupportedError,
+        match=re.escape(f"zero_optimization.stage=7 is not available in this impl; allowed: {allowed}"),
+    ):
+        build_stage(7, None)  # type: ignore[arg-type]

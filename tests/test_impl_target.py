@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import impl
-from dstest.errors import InvalidArgument
+from dstest.errors import DstestError, InvalidArgument, UnknownFeature
 from dstest.specs import build, config
 from dstest.targets import FEATURES, Target, TrainingEngine, get_target, require
 
@@ -36,8 +36,11 @@ def test_features() -> None:
 def test_require_skips_and_validates() -> None:
     target = get_target("impl")
     require(target, "stage0", "compute_grad_norm")
-    with pytest.raises(ValueError, match="unknown feature"):
+    with pytest.raises(UnknownFeature, match="unknown feature") as err:
         require(target, "stage7")
+    assert isinstance(err.value, DstestError) and isinstance(err.value, ValueError), (
+        "in the hierarchy, still a ValueError"
+    )
 
     class Bare:
         name = "bare"

@@ -167,12 +167,18 @@ class Target(Protocol):
 
 
 def require(target: Target, *features: str) -> None:
-    """``pytest.skip`` unless ``target`` supports every one of ``features``."""
+    """``pytest.skip`` unless ``target`` supports every one of ``features``.
+
+    A name outside :data:`FEATURES` is :class:`~dstest.errors.UnknownFeature` (a ValueError), raised
+    before the target is asked: a misspelt feature must fail the spec, never skip it.
+    """
     import pytest
+
+    from dstest.errors import UnknownFeature
 
     unknown = [f for f in features if f not in FEATURES]
     if unknown:
-        raise ValueError(f"unknown feature(s) {unknown}; allowed: {sorted(FEATURES)}")
+        raise UnknownFeature(f"unknown feature(s) {unknown}; allowed: {sorted(FEATURES)}")
     missing = [f for f in features if not target.supports(f)]
     if missing:
         pytest.skip(f"target {target.name!r} does not support {missing}")

@@ -37,11 +37,11 @@ import importlib.util
 from typing import Any
 
 from impl.config import NotSupportedError
-from impl.zero.base import ReductionSettings, StageContext, ZeroStage
+from impl.zero.base import FlatStage, ReductionSettings, StageContext
 from impl.zero.stage0 import Stage0
 from impl.zero.stage12 import Stage12
 
-__all__ = ["ReductionSettings", "Stage0", "Stage12", "StageContext", "ZeroStage", "build_stage"]
+__all__ = ["FlatStage", "ReductionSettings", "Stage0", "Stage12", "StageContext", "build_stage"]
 
 
 def build_stage(stage: int, ctx: StageContext) -> Any:
@@ -52,4 +52,5 @@ def build_stage(stage: int, ctx: StageContext) -> Any:
         return Stage12(ctx, stage)
     if stage == 3 and importlib.util.find_spec("impl.zero.stage3") is not None:
         return importlib.import_module("impl.zero.stage3").Stage3(ctx)
-    raise NotSupportedError(f"zero_optimization.stage={stage!r} is not available in this impl; allowed: [0, 1, 2]")
+    allowed = [0, 1, 2, 3] if importlib.util.find_spec("impl.zero.stage3") is not None else [0, 1, 2]
+    raise NotSupportedError(f"zero_optimization.stage={stage!r} is not available in this impl; allowed: {allowed}")

@@ -19,10 +19,10 @@ from impl.optim import FlatOptimizer
 
 __all__ = [
     "FlatLayout",
+    "FlatStage",
     "ReductionSettings",
     "StageContext",
     "StagingBuffers",
-    "ZeroStage",
     "make_buckets",
     "tensor_bytes",
 ]
@@ -223,8 +223,10 @@ class StageBase:
         raise NotImplementedError
 
 
-class ZeroStage(StageBase):
-    """Base of stages 0-2: bucket bookkeeping and the overlap hooks; subclasses reduce and step.
+class FlatStage(StageBase):
+    """Base of stages 0-2, whose parameters stay whole on every rank: one :class:`FlatLayout` of all
+    parameters, its gradient buckets and the overlap hooks; subclasses reduce and step. (Stage 3
+    partitions the parameters themselves and derives from :class:`StageBase` directly.)
 
     Subclasses implement ``_reduce_bucket``, ``local_gradients``, ``step``, ``zero_grad``,
     ``full_parameters``, ``full_gradients``, ``state_bytes``, ``state_dict``, ``load_state_dict``.

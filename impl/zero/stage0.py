@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from impl.zero.base import StageContext, ZeroStage, tensor_bytes
+from impl.zero.base import FlatStage, StageContext, tensor_bytes
 
 __all__ = ["Stage0"]
 
 
-class Stage0(ZeroStage):
+class Stage0(FlatStage):
     stage = 0
     partitioned = False
 

@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from impl.zero.base import StageContext, ZeroStage, tensor_bytes
+from impl.zero.base import FlatStage, StageContext, tensor_bytes
 
 __all__ = ["Stage12"]
 
 
-class Stage12(ZeroStage):
+class Stage12(FlatStage):
     partitioned = True
 
     def __init__(self, ctx: StageContext, stage: int) -> None:
