@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,10 @@ class RankContext:
     ``generator`` is this rank's own seeded RNG (E5). Threads of one process share torch's global RNG, so
     draw through ``ctx.randn``/``ctx.rand``/``ctx.randint`` (or pass ``generator=ctx.generator``) to get
     numbers that do not depend on how the ranks were scheduled.
+
+    Worlds make the context; the spec layer binds the system under test onto it (:meth:`bind_target`)
+    before the body runs, so ``ctx.target`` is whatever ``--dstest-target`` / ``dstest.run(target=)``
+    named. ``target_name`` is deprecated: a world that still passes it gets that target by name.
     """
 
     rank: int
@@ -46,10 +50,11 @@ class RankContext:
     world: str
     device: torch.device
     seed: int = 0
-    target_name: str = "impl"
+    target_name: str | None = None
     generator: torch.Generator = field(init=False, repr=False)
     _groups: GroupBuilder | None = field(default=None, init=False, repr=False)
     _target: Target | None = field(default=None, init=False, repr=False)
+    _target_factory: Callable[[], Target] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.generator = torch.Generator(device="cpu")
@@ -83,12 +88,34 @@ class RankContext:
 
     @property
     def target(self) -> Target:
-        """The system under test (``impl`` unless ``--dstest-target`` says otherwise)."""
-        if self._target is None:
-            from dstest.targets import get_target
+        """The system under test of this run (``--dstest-target``, ``dstest.run(..., target=)``; default impl).
 
-            self._target = get_target(self.target_name)
+        Made on first use, on this rank. Raises :class:`dstest.errors.InvalidSpec` when none is bound: a
+        function run by ``World.run`` directly gets no target (worlds know nothing of targets); run it
+        with :func:`dstest.run` or as a ``@dstest.spec``.
+        """
+        if self._target is None:
+            factory = self._target_factory
+            if factory is None and self.target_name is not None:  # deprecated: a world passed the name
+                from dstest.registry import target_factory
+
+                factory = target_factory(self.target_name)
+            if factory is None:
+                from dstest.errors import InvalidSpec
+
+                raise InvalidSpec(
+                    f"ctx.target on rank {self.rank} of the {self.world!r} world: no system under test is bound; "
+                    "World.run runs a function and knows no targets: run it with dstest.run(fn, world_size, "
+                    "target=...) or as a @dstest.spec"
+                )
+            self._target = factory()
         return self._target
+
+    def bind_target(self, name: str, factory: Callable[[], Target]) -> None:
+        """Make ``factory()`` (made on first use) this rank's ``ctx.target``; the spec layer calls this."""
+        self.target_name = name
+        self._target_factory = factory
+        self._target = None
 
     def bind(self) -> Any:
         """Make this context the current one on this thread; returns a token for ``unbind``."""

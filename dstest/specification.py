@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import os
 import pickle
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
 from dstest.errors import InvalidArgument, InvalidSpec, InvalidWorldSize, RankFailure
 from dstest.worlds.protocol import (
+    RankCall,
     check_rank_function,
     check_run_arguments,
     check_seed,
@@ -37,12 +39,25 @@ from dstest.worlds.protocol import (
     check_world_name,
 )
 
-__all__ = ["CASE_ARG", "SETTINGS_ARG", "Case", "Settings", "SpecInfo", "run", "run_spec", "spec", "spec_info"]
+__all__ = [
+    "CASE_ARG",
+    "SETTINGS_ARG",
+    "Case",
+    "Settings",
+    "SpecInfo",
+    "TargetBinding",
+    "run",
+    "run_spec",
+    "spec",
+    "spec_info",
+]
 
 CASE_ARG = "dstest_case"
 SETTINGS_ARG = "dstest_settings"
 #: The keyword that carries a spec method's ``self`` to its ranks (see :class:`_Instance`).
 INSTANCE_ARG = "_dstest_instance"
+#: The keyword that carries a spec's :class:`TargetBinding` to its ranks (popped by the rank adapter).
+TARGET_ARG = "_dstest_target"
 #: Where pytest's report of a skip should point: ``(path, 1-based line)``, set on the Skipped raised by
 #: :func:`run_spec` and read by the plugin's ``pytest_runtest_makereport``.
 SKIP_LOCATION_ATTR = "dstest_location"
@@ -53,9 +68,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 class SpecInfo:
     """What ``@dstest.spec`` recorded about a spec body.
 
-    ``fn`` is what the worlds call as ``fn(ctx, **params)``: the body itself, or for a method of a test
-    class an adapter that calls ``body(self, ctx, **params)`` (``self`` travels in the params under
-    :data:`INSTANCE_ARG`). ``body`` is the function as the user wrote it.
+    ``fn`` is what the worlds call as ``fn(ctx, **params)``: an adapter that binds the run's target onto
+    ``ctx`` (a :class:`TargetBinding` in the params under :data:`TARGET_ARG`) and calls ``body(ctx,
+    **params)``, or for a method of a test class ``body(self, ctx, **params)`` (``self`` travels under
+    :data:`INSTANCE_ARG`). It carries the body's module and qualified name, so a world that sends
+    functions by reference finds it through the spec (``spec_info(module.qualname).fn``). ``body`` is the
+    function as the user wrote it.
     """
 
     fn: Callable[..., Any]
@@ -100,6 +118,59 @@ class Settings:
         check_timeout(self.timeout)
         check_target(self.target)
         check_seed(self.seed)
+
+
+@dataclass(frozen=True)
+class TargetBinding:
+    """Binds the system under test onto a rank's context: ``binding(ctx)`` on every rank, before the body.
+
+    It applies the target's environment (``Target.environment(device)``, e.g. DeepSpeed's
+    ``DS_ACCELERATOR=cpu``) to the rank's process and makes ``ctx.target`` the target's adapter, made on
+    first use. Picklable: built-in targets and entry-point plug-ins travel by name (a worker process finds
+    them itself); a target registered by a hook or :func:`dstest.registry.register_target` travels with its
+    factory, pickled by reference (so it must be importable by module name where the rank runs).
+    """
+
+    name: str
+
+    def factory(self) -> Callable[[], Any]:
+        from dstest.registry import target_factory
+
+        return target_factory(self.name)
+
+    def environment(self, device: str) -> Mapping[str, str]:
+        """The variables the target asks for on ``device`` ('cpu', 'cuda'), checked to be str -> str."""
+        hook = getattr(self.factory(), "environment", None)
+        if hook is None:
+            return {}
+        env = hook(device)
+        if not isinstance(env, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise InvalidArgument(
+                f"target {self.name!r}: environment({device!r}) returned {env!r}; it must return a mapping of "
+                "str names to str values (e.g. {'DS_ACCELERATOR': 'cpu'})"
+            )
+        return env
+
+    def __call__(self, ctx: Any) -> None:
+        for key, value in self.environment(ctx.device.type).items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+        ctx.bind_target(self.name, self.factory())
+
+    def __reduce__(self) -> tuple[Callable[..., TargetBinding], tuple[Any, ...]]:
+        from dstest.registry import BUILTIN_TARGETS, is_entry_point_target
+
+        if self.name in BUILTIN_TARGETS or is_entry_point_target(self.name):
+            return (TargetBinding, (self.name,))
+        return (_binding_with_factory, (self.name, self.factory()))
+
+
+def _binding_with_factory(name: str, factory: Callable[[], Any]) -> TargetBinding:
+    """A :class:`TargetBinding` unpickled where ``name`` may not be registered yet (a process-world worker)."""
+    from dstest.registry import register_target
+
+    register_target(name, factory, replace=True)
+    return TargetBinding(name)
 
 
 def _as_sizes(world_size: object) -> tuple[int, ...]:
@@ -187,14 +258,21 @@ def _instance_from_blob(blob: bytes) -> _Instance:
     return holder
 
 
-def _method_adapter(body: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn(ctx, **params)`` for the worlds, calling ``body(self, ctx, **params)``.
+def _rank_adapter(body: Callable[..., Any], method: bool) -> Callable[..., Any]:
+    """``fn(ctx, **params)`` for the worlds: binds the target, then calls ``body(ctx, **params)``.
 
-    It takes the body's module and qualified name, so that the process world finds it by reference through
-    the class attribute (the spec wrapper, whose :class:`SpecInfo` holds this adapter).
+    For a method of a test class it calls ``body(self, ctx, **params)``. The binding and ``self`` travel
+    in the params (:data:`TARGET_ARG`, :data:`INSTANCE_ARG`), so the adapter survives worlds that send
+    functions by reference: it takes the body's module and qualified name, and the process world finds it
+    through the spec wrapper, whose :class:`SpecInfo` holds it.
     """
 
     def call(ctx: Any, *args: Any, **kwargs: Any) -> Any:
+        binding = kwargs.pop(TARGET_ARG, None)
+        if binding is not None:
+            binding(ctx)
+        if not method:
+            return body(ctx, *args, **kwargs)
         holder = kwargs.pop(INSTANCE_ARG, None)
         if not isinstance(holder, _Instance):
             raise InvalidSpec(
@@ -224,7 +302,7 @@ def _check_body_parameters(fn: Callable[..., Any], method: bool) -> list[inspect
             f"def {fn.__name__}{shape}"
         )
     rest = params[len(leading) :]
-    taken = [p.name for p in rest if p.name in (CASE_ARG, SETTINGS_ARG, INSTANCE_ARG)]
+    taken = [p.name for p in rest if p.name in (CASE_ARG, SETTINGS_ARG, INSTANCE_ARG, TARGET_ARG)]
     if taken:
         raise InvalidSpec(f"spec {fn.__qualname__}: parameter names {taken} are reserved by dstest; rename them")
     odd = [p.name for p in rest if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY)]
@@ -264,7 +342,7 @@ def spec(
         method = _defined_in_class(fn) and next(iter(_signature_names(fn)), None) == "self"
         rest = _check_body_parameters(fn, method)
         info = SpecInfo(
-            fn=_method_adapter(fn) if method else fn,
+            fn=_rank_adapter(fn, method),
             world_sizes=sizes,
             worlds=names,
             timeout=seconds,
@@ -362,24 +440,50 @@ def run(
         rank 0: fn(ctx(rank=0)) -> r0      run(fn, 2) == [r0, r1]
         rank 1: fn(ctx(rank=1)) -> r1
 
-    Every argument is checked before anything starts (:mod:`dstest.worlds.protocol`): an unknown world
-    or target, a timeout that is not a finite positive number of seconds (at most a day), a world size
-    that is not an int >= 1, or a generator or ``async def`` ``fn`` raise :class:`InvalidArgument`.
+    ``ctx.target`` is ``target``'s adapter on every rank (the world knows nothing of it: the run binds it,
+    see :class:`TargetBinding`). Every argument is checked before anything starts
+    (:mod:`dstest.worlds.protocol`): an unknown world or target, a timeout that is not a finite positive
+    number of seconds (at most a day), a world size that is not an int >= 1, or a generator or
+    ``async def`` ``fn`` raise :class:`InvalidArgument`.
     """
     info = spec_info(fn)
     if info is not None:
         if info.method:
             raise InvalidSpec(f"{info.source.__qualname__} is a spec method of a test class: run it through pytest")
-        fn = info.fn  # a @dstest.spec function: run its body
-    check_run_arguments(world_size, timeout, fn, args=args, kwargs=kwargs)
+    check_run_arguments(world_size, timeout, fn if info is None else info.fn, args=args, kwargs=kwargs)
     check_seed(seed)  # None is "not given" to check_run_arguments; here it is a bad value
     check_target(target)
     check_world_name(world)
     from dstest.worlds import get_world
 
-    results = get_world(world).run(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed, target=target)
+    instance = get_world(world)
+    binding = TargetBinding(target)
+    if info is not None:  # a @dstest.spec function: its adapter binds the target (and survives by-reference)
+        call: Callable[..., Any] = info.fn
+        kwargs = {**(kwargs or {}), TARGET_ARG: binding}
+        extra: dict[str, Any] = {}
+    else:
+        call, extra = _bound_call(instance, fn, binding)
+    results = instance.run(call, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed, **extra)
     _refuse_unrun_results(results, fn, generators=False)
     return results
+
+
+def _bound_call(world: Any, fn: Callable[..., Any], binding: TargetBinding) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """What to hand ``world.run`` so that ``fn`` runs with ``binding`` applied on every rank.
+
+    A :class:`RankCall` (``binding(ctx)``, then ``fn``), which in-process worlds simply call and
+    out-of-process worlds pickle or unwrap. Transitional: a world whose ``run`` still takes the deprecated
+    ``target=`` keyword (the process world until its rewrite) ships plain functions by reference only;
+    it gets ``fn`` itself and the target's name, and applies no target environment.
+    """
+    try:
+        legacy = "target" in inspect.signature(world.run).parameters
+    except (TypeError, ValueError):
+        legacy = False
+    if legacy:
+        return fn, {"target": binding.name}
+    return RankCall(fn, binding), {}
 
 
 _FRAME_LINE = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in ', re.MULTILINE)
@@ -437,15 +541,9 @@ def run_spec(
         kwargs[INSTANCE_ARG] = _Instance(instance)
     timeout = info.timeout or settings.timeout
     check_run_arguments(case.world_size, timeout, info.fn, kwargs=kwargs, seed=settings.seed, target=settings.target)
+    kwargs[TARGET_ARG] = TargetBinding(settings.target)  # the adapter (info.fn) binds it on every rank
     try:
-        results = world.run(
-            info.fn,
-            case.world_size,
-            kwargs=kwargs,
-            timeout=timeout,
-            seed=settings.seed,
-            target=settings.target,
-        )
+        results = world.run(info.fn, case.world_size, kwargs=kwargs, timeout=timeout, seed=settings.seed)
     except RankFailure as failure:
         from dstest.errors import WorldAborted
 

@@ -1,27 +1,33 @@
-"""Systems under test. ``get_target(name)`` returns a :class:`~dstest.targets.base.Target` adapter."""
+"""Systems under test. ``get_target(name)`` returns a :class:`~dstest.targets.base.Target` adapter.
+
+dstest ships ``impl`` and ``deepspeed``; plug-ins add more (a pytest hook, an entry point in the group
+``dstest.targets`` or :func:`register_target`, see :mod:`dstest.registry`). An adapter may also define
+``environment(device: str) -> Mapping[str, str]``: variables set in each rank's process before the spec
+body runs (DeepSpeed: ``DS_ACCELERATOR=cpu`` on CPU). Worlds know nothing of targets; the spec layer binds
+``ctx.target`` and applies the environment on every rank (:class:`dstest.specification.TargetBinding`).
+"""
 
 from __future__ import annotations
 
-import importlib
-
-from dstest.errors import InvalidArgument
+from dstest.registry import BUILTIN_TARGETS, register_target, target_factory, target_names
 from dstest.targets.base import FEATURES, Target, TrainingEngine, require
 
-__all__ = ["FEATURES", "TARGET_NAMES", "Target", "TrainingEngine", "get_target", "require"]
+__all__ = [
+    "FEATURES",
+    "TARGET_NAMES",
+    "Target",
+    "TrainingEngine",
+    "get_target",
+    "register_target",
+    "require",
+    "target_names",
+]
 
-# name -> (module, class); adapters are imported on first use (a third-party target may not be installed).
-_TARGETS: dict[str, tuple[str, str]] = {
-    "impl": ("dstest.targets.impl", "ImplTarget"),
-    "deepspeed": ("dstest.targets.deepspeed", "DeepSpeedTarget"),
-}
-TARGET_NAMES = tuple(_TARGETS)
+#: The built-in target names (plug-ins: :func:`target_names`).
+TARGET_NAMES = tuple(BUILTIN_TARGETS)
 
 
 def get_target(name: str) -> Target:
     """The adapter for target ``name`` (a new object per call; adapters hold no state between runs)."""
-    try:
-        module, attr = _TARGETS[name]
-    except KeyError:
-        raise InvalidArgument(f"target={name!r} is unknown; allowed: {list(_TARGETS)}") from None
-    target: Target = getattr(importlib.import_module(module), attr)()
+    target: Target = target_factory(name)()
     return target

@@ -7,39 +7,36 @@
 | fake           | this process plays rank r    | shape-checked, no data exchange    |
 | process        | warm OS processes            | gloo                               |
 | nccl           | one process per GPU          | NCCL                               |
+
+Plug-ins add worlds (a pytest hook, an entry point in the group ``dstest.worlds`` or
+:func:`register_world`, see :mod:`dstest.registry`); :func:`world_names` lists them all.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
-from dstest.errors import InvalidArgument
+from dstest.registry import BUILTIN_WORLD_MARKERS, BUILTIN_WORLDS, register_world, world_factory, world_names
 from dstest.worlds.protocol import World
 
-__all__ = ["DEFAULT_WORLDS", "WORLD_MARKERS", "WORLD_NAMES", "World", "get_world"]
+__all__ = [
+    "DEFAULT_WORLDS",
+    "WORLD_MARKERS",
+    "WORLD_NAMES",
+    "World",
+    "get_world",
+    "register_world",
+    "world_names",
+]
 
-# name -> (module, factory attribute, keyword arguments)
-_FACTORIES: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "threaded": ("dstest.worlds.threaded", "ThreadedWorld", {"warm": True}),
-    "threaded-cuda": ("dstest.worlds.threaded", "ThreadedWorld", {"device": "cuda", "warm": True}),
-    "fake": ("dstest.worlds.fake", "FakeWorld", {}),
-    "process": ("dstest.worlds.process", "ProcessWorld", {}),
-    "nccl": ("dstest.worlds.nccl", "NcclWorld", {}),
-}
-WORLD_NAMES = tuple(_FACTORIES)
-#: The pytest marker of each world's items (known without importing torch).
-WORLD_MARKERS = {"threaded": "cpu", "threaded-cuda": "gpu", "fake": "cpu", "process": "cpu", "nccl": "gpu"}
+#: The built-in world names (plug-ins: :func:`world_names`).
+WORLD_NAMES = tuple(BUILTIN_WORLDS)
+#: The pytest marker of each built-in world's items (known without importing torch); plug-in worlds:
+#: :func:`dstest.registry.world_marker`.
+WORLD_MARKERS = dict(BUILTIN_WORLD_MARKERS)
 #: Where a spec runs unless it or ``--dstest-worlds`` says otherwise: CPU threads and real GPUs.
 DEFAULT_WORLDS = ("threaded", "nccl")
 
 
 def get_world(name: str) -> World:
     """A world by name (see the table above); worlds are cheap to create, state lives in ``run``."""
-    entry = _FACTORIES.get(name) if isinstance(name, str) else None
-    if entry is None:
-        raise InvalidArgument(f"world={name!r} is unknown; allowed: {list(WORLD_NAMES)}")
-    module, attr, kwargs = entry
-    factory = getattr(importlib.import_module(module), attr)
-    world: World = factory(**kwargs)
+    world: World = world_factory(name)()
     return world

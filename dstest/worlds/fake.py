@@ -87,9 +87,8 @@ class FakeWorld:
         kwargs: dict[str, Any] | None = None,
         timeout: float = 60.0,
         seed: int = 0,
-        target: str = "impl",
     ) -> list[Any]:
-        check_run_arguments(world_size, timeout, fn, args=args, kwargs=kwargs, seed=seed, target=target)
+        check_run_arguments(world_size, timeout, fn, args=args, kwargs=kwargs, seed=seed)
         ranks = self.ranks if self.ranks is not None else tuple(sorted({0, world_size - 1}))
         bad = [r for r in ranks if not 0 <= r < world_size]
         if bad:
@@ -106,7 +105,7 @@ class FakeWorld:
                     binding.session, binding.rank = session, rank
                     ctx = RankContext(
                         rank=rank, world_size=world_size, world=self.name, device=torch.device("cpu"),
-                        seed=seed, target_name=target,
+                        seed=seed,
                     )
                     token = ctx.bind()
                     try:

@@ -20,6 +20,7 @@ from dstest.errors import InvalidArgument, InvalidSpec, InvalidWorldSize
 
 __all__ = [
     "MAX_TIMEOUT_S",
+    "RankCall",
     "TARGET_NAMES",
     "World",
     "check_rank_function",
@@ -35,8 +36,8 @@ __all__ = [
 #: far larger values (1e12) overflow ``threading`` waits and ``datetime.timedelta`` inside the worlds.
 MAX_TIMEOUT_S = 86_400.0
 
-#: The names :func:`dstest.targets.get_target` knows, kept here so that the plugin can check
-#: ``--dstest-target`` without importing the targets (which import torch). A test keeps the two equal.
+#: The built-in target names, known without importing the targets (which import torch); plug-ins
+#: registered through :mod:`dstest.registry` are accepted too (:func:`check_target`).
 TARGET_NAMES = ("impl", "deepspeed")
 
 
@@ -81,18 +82,25 @@ def check_seed(value: object, name: str = "seed") -> int:
 
 
 def check_target(value: object, name: str = "target") -> str:
-    """``value`` if it names a known system under test (:data:`TARGET_NAMES`)."""
-    if not isinstance(value, str) or value not in TARGET_NAMES:
-        raise InvalidArgument(f"{name}={value!r}: unknown target; allowed: {', '.join(TARGET_NAMES)}")
+    """``value`` if it names a known system under test: built in or a registered plug-in.
+
+    (:func:`dstest.registry.target_names`; checking imports no target.)
+    """
+    from dstest.registry import target_names
+
+    names = target_names()
+    if not isinstance(value, str) or value not in names:
+        raise InvalidArgument(f"{name}={value!r}: unknown target; allowed: {', '.join(names)}")
     return value
 
 
 def check_world_name(value: object, name: str = "world") -> str:
-    """``value`` if it names a known world (:data:`dstest.worlds.WORLD_NAMES`)."""
-    from dstest.worlds import WORLD_NAMES  # the package imports this module; its names are light
+    """``value`` if it names a known world: built in or a registered plug-in (:func:`dstest.registry.world_names`)."""
+    from dstest.registry import world_names
 
-    if not isinstance(value, str) or value not in WORLD_NAMES:
-        raise InvalidArgument(f"{name}={value!r}: unknown world; allowed: {', '.join(WORLD_NAMES)}")
+    names = world_names()
+    if not isinstance(value, str) or value not in names:
+        raise InvalidArgument(f"{name}={value!r}: unknown world; allowed: {', '.join(names)}")
     return value
 
 
@@ -133,8 +141,9 @@ def check_run_arguments(
 ) -> None:
     """The checks every ``World.run`` makes before it starts anything.
 
-    ``fn``, ``args``, ``kwargs``, ``seed`` and ``target`` are checked when given (not None), so that older
-    call sites passing only ``(world_size, timeout)`` keep working.
+    ``fn``, ``args``, ``kwargs`` and ``seed`` are checked when given (not None), so that older call sites
+    passing only ``(world_size, timeout)`` keep working. ``target`` is checked when given for callers of
+    the spec layer (:func:`dstest.run`); worlds no longer take one.
     """
     check_world_size(world_size)
     check_timeout(timeout)
@@ -151,6 +160,41 @@ def check_run_arguments(
         check_target(target)
 
 
+class RankCall:
+    """A rank function with a per-rank setup: ``RankCall(fn, setup)(ctx, ...)`` runs ``setup(ctx)``, then ``fn``.
+
+    The spec layer hands worlds one of these to bind the system under test on each rank
+    (``setup`` is a :class:`dstest.specification.TargetBinding`); a world needs to know nothing about it.
+    In-process worlds just call it. A world that sends functions to other processes pickles it, or
+    sends ``fn`` by its own reference mechanism and ``setup`` by pickle, and calls ``setup(ctx)`` on the
+    rank before ``fn``. ``fn`` and ``setup`` are public attributes for that purpose.
+    """
+
+    __slots__ = ("fn", "setup")
+
+    def __init__(self, fn: Callable[..., Any], setup: Callable[[Any], None]) -> None:
+        check_rank_function(fn)
+        if not callable(setup):
+            raise InvalidArgument(f"setup={setup!r} ({_kind(setup)}): must be callable as setup(ctx)")
+        self.fn = fn
+        self.setup = setup
+
+    def __call__(self, ctx: Any, *args: Any, **kwargs: Any) -> Any:
+        self.setup(ctx)
+        return self.fn(ctx, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("__name__", "__qualname__"):  # worlds name the function in their messages
+            return getattr(self.fn, name)
+        raise AttributeError(name)
+
+    def __reduce__(self) -> tuple[type[RankCall], tuple[Callable[..., Any], Callable[[Any], None]]]:
+        return (RankCall, (self.fn, self.setup))
+
+    def __repr__(self) -> str:
+        return f"RankCall({getattr(self.fn, '__qualname__', self.fn)!r}, {self.setup!r})"
+
+
 @runtime_checkable
 class World(Protocol):
     """Runs ``fn(ctx, *args, **kwargs)`` on the ranks of a (simulated or real) process group.
@@ -158,6 +202,11 @@ class World(Protocol):
     ``run`` returns per-rank results in rank order, or raises one error that carries every failing
     rank's traceback (:class:`dstest.errors.RankFailure`) or every rank's stack
     (:class:`dstest.errors.WorldTimeout`). Nothing it started outlives the call.
+
+    A world knows nothing of systems under test: the spec layer hands it a function that binds
+    ``ctx.target`` on the rank itself (:class:`dstest.specification.TargetBinding`). A world that runs ranks
+    in other processes sends ``fn`` there by reference or by pickle; ``fn`` may be a picklable callable
+    object, not only a module-level function. Plug-in worlds are registered through :mod:`dstest.registry`.
     """
 
     name: str
@@ -180,5 +229,4 @@ class World(Protocol):
         kwargs: dict[str, Any] | None = None,
         timeout: float = 60.0,
         seed: int = 0,
-        target: str = "impl",
     ) -> list[Any]: ...

@@ -480,15 +480,14 @@ class ThreadedWorld:
         kwargs: dict[str, Any] | None = None,
         timeout: float = 60.0,
         seed: int = 0,
-        target: str = "impl",
     ) -> list[Any]:
-        check_run_arguments(world_size, timeout, fn, args=args, kwargs=kwargs, seed=seed, target=target)
+        check_run_arguments(world_size, timeout, fn, args=args, kwargs=kwargs, seed=seed)
         register_backend()
         device = torch.device(self.device)
 
         def make_ctx(rank: int) -> RankContext:
             return RankContext(
-                rank=rank, world_size=world_size, world=self.name, device=device, seed=seed, target_name=target
+                rank=rank, world_size=world_size, world=self.name, device=device, seed=seed
             )
 
         crew = _CREWS.checkout(device, world_size) if self.warm else None
