@@ -497,6 +497,12 @@ class DeepSpeedTarget:
     third_party = True
     default_world = "process"  # module-global process groups: one rank per process
 
+    @staticmethod
+    def environment(device: str) -> dict[str, str]:
+        """Set on each rank's process before a spec body runs (worlds know nothing of targets): DeepSpeed
+        picks its accelerator from ``DS_ACCELERATOR`` when first imported, so ranks on CPU get ``cpu``."""
+        return {"DS_ACCELERATOR": "cpu"} if device == "cpu" else {}
+
     def __init__(self) -> None:
         ds = _deepspeed()
         if threading.current_thread() is not threading.main_thread():
