@@ -91,20 +91,21 @@ def _detail_wrapper(ctx: Any, sizes: list[int], reps: int, rounds: int) -> list[
     w = ctx.world_size
     timeout = datetime.timedelta(seconds=600)
     store = c10d._world.pg_map[c10d._get_default_group()][1]
-    inner = c10d_c.ProcessGroupGloo(c10d_c.PrefixStore("bench-inner/", store), ctx.rank, w, timeout)
+    inner: Any = c10d_c.ProcessGroupGloo(c10d_c.PrefixStore("bench-inner/", store), ctx.rank, w, timeout)
     wrapped = c10d._create_process_group_wrapper(inner, "bench-wrap", store, ctx.rank, w, timeout)
     rows = []
     for n in sizes:
         t = torch.ones(n)
         opts = c10d_c.AllreduceOptions()
 
-        def plain_call() -> None:
+        def plain_call(t: torch.Tensor = t, opts: Any = opts) -> None:
             inner.allreduce([t], opts).wait()
 
-        def wrapped_call() -> None:
+        def wrapped_call(t: torch.Tensor = t, opts: Any = opts) -> None:
             wrapped.allreduce([t], opts).wait()
 
-        plain_call(), wrapped_call()
+        plain_call()
+        wrapped_call()
         a, b = [], []
         for _ in range(rounds):
             a.append(_time(wrapped_call, reps))
@@ -153,7 +154,7 @@ def main() -> None:
     try:
         for ws in world_sizes:
             per_rank = WORLD.run(_compare, ws, args=(kinds, sizes, reps, rounds), timeout=1800)
-            for i, row in enumerate(per_rank[0]):
+            for i in range(len(per_rank[0])):
                 worst = max(per_rank, key=lambda rows: rows[i]["checked_s"])[i]  # a collective ends on its slowest rank
                 results["checking"].append({"world_size": ws, **worst})
             per_rank = WORLD.run(_detail_wrapper, ws, args=(sizes, reps, rounds), timeout=1800)
@@ -173,7 +174,9 @@ def main() -> None:
     print("\ntorch TORCH_DISTRIBUTED_DEBUG=DETAIL wrapper vs the gloo backend it wraps (all_reduce)")
     print(f"{'W':>3} {'bytes':>9} {'DETAIL us':>10} {'gloo us':>9} {'ratio':>7}")
     for r in results["detail_wrapper"]:
-        print(f"{r['world_size']:>3} {r['bytes']:>9} {r['detail_s'] * 1e6:>10.1f} {r['gloo_s'] * 1e6:>9.1f} {r['ratio']:>7.2f}")
+        print(
+            f"{r['world_size']:>3} {r['bytes']:>9} {r['detail_s'] * 1e6:>10.1f} {r['gloo_s'] * 1e6:>9.1f} {r['ratio']:>7.2f}"
+        )
     print("\nwhole run: a shape mismatch reported on every rank vs a correct run (one all_reduce)")
     for r in results["latency"]:
         print(

@@ -33,7 +33,7 @@ from dstest.worlds.process import ProcessWorld, pool_pids
 pytestmark = pytest.mark.cpu
 
 PROCESS = ProcessWorld()
-TIMEOUT = 60.0  # far beyond any check: reaching it would be a WorldTimeout, which the tests reject
+TIMEOUT = 20.0  # far beyond any check (milliseconds): reaching it would be a WorldTimeout, which the tests reject
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -87,7 +87,9 @@ def _every_call(ctx):
     dist.reduce_scatter_tensor(rs, torch.arange(float(n)))
     a2a_out = torch.empty(3 if r == 0 else 1)
     a2a_in = torch.full((2,), float(r))
-    dist.all_to_all_single(a2a_out, a2a_in, output_split_sizes=[1, 2] if r == 0 else [1, 0], input_split_sizes=[1, 1] if r == 0 else [2, 0])
+    dist.all_to_all_single(
+        a2a_out, a2a_in, output_split_sizes=[1, 2] if r == 0 else [1, 0], input_split_sizes=[1, 1] if r == 0 else [2, 0]
+    )
     g = [torch.empty(1) for _ in range(n)] if r == 0 else None
     dist.gather(torch.tensor([float(r)]), g, dst=0)
     sc = torch.empty(1)
@@ -161,7 +163,12 @@ def _kind(ctx):
 def _splits(ctx):
     out, inp = torch.empty(2), torch.ones(2)
     # rank 0 sends 1 row to rank 1, which expects 2 from rank 0 (gloo itself would hang or abort)
-    dist.all_to_all_single(out, inp, output_split_sizes=[1, 1] if ctx.rank == 0 else [2, 0], input_split_sizes=[1, 1] if ctx.rank == 0 else [0, 2])
+    dist.all_to_all_single(
+        out,
+        inp,
+        output_split_sizes=[1, 1] if ctx.rank == 0 else [2, 0],
+        input_split_sizes=[1, 1] if ctx.rank == 0 else [0, 2],
+    )
 
 
 def _seq(ctx):
@@ -235,7 +242,9 @@ def test_send_recv_shape_mismatch_raises_on_both_ranks():
     assert sorted(info.exceptions) == [0, 1]
     for exc in info.exceptions.values():
         assert isinstance(exc, CollectiveMismatch)
-        assert "send(float32[4]@cpu to rank 1, tag=0)" in str(exc) and "recv(float32[8]@cpu from rank 0, tag=0)" in str(exc)
+        assert "send(float32[4]@cpu to rank 1, tag=0)" in str(exc) and "recv(float32[8]@cpu from rank 0, tag=0)" in str(
+            exc
+        )
     _next_run_passes()
 
 
@@ -359,10 +368,14 @@ def test_unguarded_script_gets_a_clear_error(tmp_path):
 
 def test_main_guard_detection(tmp_path):
     source = tmp_path / "s.py"
-    source.write_text('import x\nrun()\nif __name__ == "__main__":\n    run()\nelse:\n    run()\nif "__main__" == __name__:\n    run()\n')
+    source.write_text(
+        'import x\nrun()\nif __name__ == "__main__":\n    run()\nelse:\n    run()\nif "__main__" == __name__:\n    run()\n'
+    )
     assert [process._under_main_guard(str(source), n) for n in (2, 4, 6, 8)] == [False, True, False, True]
     # Inside multiprocessing's import of the script (as __mp_main__), any module-level call is refused.
-    code = compile("from dstest.worlds.process import _check_not_bootstrapping\n_check_not_bootstrapping('run')", "s.py", "exec")
+    code = compile(
+        "from dstest.worlds.process import _check_not_bootstrapping\n_check_not_bootstrapping('run')", "s.py", "exec"
+    )
     with pytest.raises(UnguardedMain, match="__mp_main__"):
         exec(code, {"__name__": "__mp_main__", "__file__": "s.py"})
 

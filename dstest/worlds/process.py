@@ -20,6 +20,20 @@ Rendezvous goes through a ``FileStore`` in a private temporary directory (no fix
 works). No worker outlives the session: :func:`shutdown_all` runs from the plugin's ``pytest_unconfigure``
 and at interpreter exit, and an idle worker whose parent is gone exits by itself.
 
+Every collective and transfer of a gloo pool is checked across ranks before gloo runs it (see "Cross-rank
+checking" below): a mismatch of op, group, sequence number, shapes, dtypes, root or split sizes raises
+:class:`CollectiveMismatch` on every rank involved, naming both ranks and both calls; a rank that waits for
+a collective that a finished or failed rank never joined is told so; a deadlock of all running ranks is
+reported with each rank's pending call; work a run leaves unmatched or unwaited fails it with
+:class:`UnfinishedWork` and never reaches gloo, so it cannot leak into the next run. NCCL pools are not
+checked.
+
+Warm workers are capped (:func:`warm_worker_cap`: ``max_warm_workers`` in this module, else the
+``DSTEST_PROCESS_MAX_WORKERS`` environment variable, else ``DEFAULT_MAX_WARM_WORKERS``), all pools
+together; starting a pool closes the least recently used idle ones beyond the cap, and a world larger
+than the cap runs cold. A script must start the process world under ``if __name__ == "__main__":``
+(workers import it to find its functions); an unguarded call raises :class:`UnguardedMain`.
+
 Workers are forked from multiprocessing's fork server, which imports torch once (see ``_mp_context``):
 a pool of 8 starts in well under a second once that server runs, and a replaced pool costs little. Where
 there is no fork server, workers are spawned. This module imports neither torch nor the target at import
@@ -306,9 +320,7 @@ class _Checker:
             return None, unhealthy
         if problems:
             return (
-                UnfinishedWork(
-                    f"rank {self.rank} finished its function with work left behind: " + "; ".join(problems)
-                ),
+                UnfinishedWork(f"rank {self.rank} finished its function with work left behind: " + "; ".join(problems)),
                 unhealthy,
             )
         if raised:
@@ -398,17 +410,19 @@ def _install_checking(checker: _Checker) -> None:
     original = c10d._new_process_group_helper
     gloo_config = str(c10d.BackendConfig(dist.Backend("gloo")))
 
-    def helper(group_size: int, group_rank: int, global_ranks: list[int], backend: Any, *args: Any, **kwargs: Any) -> Any:
+    def helper(
+        group_size: int, group_rank: int, global_ranks: list[int], backend: Any, *args: Any, **kwargs: Any
+    ) -> Any:
         if str(backend) == "gloo":
             backend = _CHECKED_BACKEND
         pg, store = original(group_size, group_rank, global_ranks, backend, *args, **kwargs)
-        if isinstance(pg, _checked_group_class()):
-            c10d._world.pg_map[pg] = ("gloo", c10d._world.pg_map[pg][1])
-            c10d._world.pg_backend_config[pg] = gloo_config
+        if isinstance(pg, _checked_group_class()):  # our group: still named gloo to torch and to the code
+            c10d._world.pg_map[pg] = ("gloo", c10d._world.pg_map[pg][1])  # type: ignore[index]
+            c10d._world.pg_backend_config[pg] = gloo_config  # type: ignore[index]
         return pg, store
 
     helper.unchecked = original  # type: ignore[attr-defined]  # benchmarks build plain gloo groups with it
-    c10d._new_process_group_helper = helper
+    c10d._new_process_group_helper = helper  # type: ignore[assignment]
 
 
 def _create_checked_group(opts: Any, pg_options: Any) -> Any:
@@ -487,6 +501,7 @@ def _make_checked_group_class() -> type:
                 elif rec.inner is None:
                     fut.set_result([])
                 else:
+
                     def forward(inner_fut: Any) -> None:
                         try:
                             fut.set_result(inner_fut.value())
@@ -523,8 +538,11 @@ def _make_checked_group_class() -> type:
             fut.set_result(self._tensors)
             return fut
 
-    def metas(ts: Sequence[Any]) -> list[_Meta]:
+    def metas(ts: Sequence[Any]) -> list[Any]:  # stand in for tensors where the Calls expect them
         return [_Meta.of(t) for t in ts]
+
+    def meta(t: Any) -> Any:
+        return _Meta.of(t)
 
     class CheckedGroup(dist.ProcessGroup):
         """One rank's handle on one group of a gloo pool: every call is checked across ranks, then gloo runs it.
@@ -562,14 +580,14 @@ def _make_checked_group_class() -> type:
             self._group_desc = desc
 
         @property
-        def group_name(self) -> str:
+        def group_name(self) -> Any:
             return self._group_name
 
         @property
         def group_desc(self) -> str:
             return self._group_desc
 
-        def _get_backend(self, device: Any) -> Any:  # type: ignore[override]
+        def _get_backend(self, device: Any) -> Any:
             return self
 
         def getBackendName(self) -> str:
@@ -607,9 +625,7 @@ def _make_checked_group_class() -> type:
                     f"{kind}: peer rank {peer} is not in group {self.label} (group ranks 0..{self.size_ - 1})"
                 )
             arrow = "to" if kind == "send" else "from"
-            what = (
-                f"{kind}({C.describe_tensor(t)} {arrow} rank {self.members[peer]}, tag={tag}) on group {self.label}"
-            )
+            what = f"{kind}({C.describe_tensor(t)} {arrow} rank {self.members[peer]}, tag={tag}) on group {self.label}"
             msg = ("p2p", self.gid, self.members, kind, self.rank_, peer, tag, _Meta.of(t), what)
             return CheckedWork(checker, checker.post(msg, what, issue))
 
@@ -620,48 +636,48 @@ def _make_checked_group_class() -> type:
         def allreduce(self, tensors: list[Any], opts: Any = None) -> Any:  # type: ignore[override]
             opts = opts if opts is not None else c10d_c.AllreduceOptions()
             t = C._one(tensors, "all_reduce")
-            call = C.AllReduce(self.rank_, self.size_, _Meta.of(t), self._op(opts))
+            call = C.AllReduce(self.rank_, self.size_, meta(t), self._op(opts))
             return self._post(call, lambda: self.inner.allreduce(tensors, opts))
 
-        def allreduce_coalesced(self, tensors: list[Any], opts: Any = None) -> Any:  # type: ignore[override]
+        def allreduce_coalesced(self, tensors: list[Any], opts: Any = None) -> Any:
             opts = opts if opts is not None else c10d_c.AllreduceCoalescedOptions()
             n = sum(t.numel() for t in tensors)
             dtype = tensors[0].dtype if tensors else torch.float32
-            call = C.AllReduce(self.rank_, self.size_, _Meta(dtype, (n,), _Dev("cpu")), self._op(opts))
+            call = C.AllReduce(self.rank_, self.size_, _Meta(dtype, (n,), _Dev("cpu")), self._op(opts))  # type: ignore[arg-type]
             return self._post(call, lambda: self.inner.allreduce_coalesced(tensors, opts))
 
         def broadcast(self, tensors: list[Any], opts: Any = None) -> Any:  # type: ignore[override]
             opts = opts if opts is not None else c10d_c.BroadcastOptions()
             t = C._one(tensors, "broadcast")
-            call = C.Broadcast(self.rank_, self.size_, _Meta.of(t), int(opts.rootRank))
+            call = C.Broadcast(self.rank_, self.size_, meta(t), int(opts.rootRank))
             return self._post(call, lambda: self.inner.broadcast(tensors, opts))
 
         def reduce(self, tensors: list[Any], opts: Any = None) -> Any:  # type: ignore[override]
             opts = opts if opts is not None else c10d_c.ReduceOptions()
             t = C._one(tensors, "reduce")
-            call = C.Reduce(self.rank_, self.size_, _Meta.of(t), self._op(opts), int(opts.rootRank))
+            call = C.Reduce(self.rank_, self.size_, meta(t), self._op(opts), int(opts.rootRank))
             return self._post(call, lambda: self.inner.reduce(tensors, opts))
 
         def allgather(self, outputs: list[list[Any]], inputs: list[Any], opts: Any = None) -> Any:  # type: ignore[override]
             opts = opts if opts is not None else c10d_c.AllgatherOptions()
             t = C._one(inputs, "all_gather")
-            call = C.AllGather(self.rank_, self.size_, metas(outputs[0]), _Meta.of(t))
+            call = C.AllGather(self.rank_, self.size_, metas(outputs[0]), meta(t))
             return self._post(call, lambda: self.inner.allgather(outputs, inputs, opts))
 
         def _allgather_base(self, output: Any, inp: Any, opts: Any = None) -> Any:
             opts = opts if opts is not None else c10d_c.AllgatherOptions()
-            call = C.AllGatherIntoTensor(self.rank_, self.size_, _Meta.of(output), _Meta.of(inp))
+            call = C.AllGatherIntoTensor(self.rank_, self.size_, meta(output), meta(inp))
             return self._post(call, lambda: self.inner._allgather_base(output, inp, opts))
 
         def reduce_scatter(self, outputs: list[Any], inputs: list[list[Any]], opts: Any = None) -> Any:  # type: ignore[override]
             opts = opts if opts is not None else c10d_c.ReduceScatterOptions()
             out = C._one(outputs, "reduce_scatter")
-            call = C.ReduceScatter(self.rank_, self.size_, _Meta.of(out), metas(inputs[0]), self._op(opts))
+            call = C.ReduceScatter(self.rank_, self.size_, meta(out), metas(inputs[0]), self._op(opts))
             return self._post(call, lambda: self.inner.reduce_scatter(outputs, inputs, opts))
 
         def _reduce_scatter_base(self, output: Any, inp: Any, opts: Any = None) -> Any:
             opts = opts if opts is not None else c10d_c.ReduceScatterOptions()
-            call = C.ReduceScatterTensor(self.rank_, self.size_, _Meta.of(output), _Meta.of(inp), self._op(opts))
+            call = C.ReduceScatterTensor(self.rank_, self.size_, meta(output), meta(inp), self._op(opts))
             return self._post(call, lambda: self.inner._reduce_scatter_base(output, inp, opts))
 
         def alltoall(self, outputs: list[Any], inputs: list[Any], opts: Any = None) -> Any:
@@ -674,7 +690,7 @@ def _make_checked_group_class() -> type:
         ) -> Any:
             opts = opts if opts is not None else c10d_c.AllToAllOptions()
             call = C.AllToAllSingle(
-                self.rank_, self.size_, _Meta.of(output), _Meta.of(inp), output_split_sizes, input_split_sizes
+                self.rank_, self.size_, meta(output), meta(inp), output_split_sizes, input_split_sizes
             )
             return self._post(
                 call, lambda: self.inner.alltoall_base(output, inp, output_split_sizes, input_split_sizes, opts)
@@ -684,20 +700,20 @@ def _make_checked_group_class() -> type:
             opts = opts if opts is not None else c10d_c.GatherOptions()
             t = C._one(inputs, "gather")
             outs = outputs[0] if outputs else []
-            call = C.Gather(self.rank_, self.size_, metas(outs), _Meta.of(t), int(opts.rootRank))
+            call = C.Gather(self.rank_, self.size_, metas(outs), meta(t), int(opts.rootRank))
             return self._post(call, lambda: self.inner.gather(outputs, inputs, opts))
 
         def scatter(self, outputs: list[Any], inputs: list[list[Any]], opts: Any = None) -> Any:  # type: ignore[override]
             opts = opts if opts is not None else c10d_c.ScatterOptions()
             out = C._one(outputs, "scatter")
             ins = inputs[0] if inputs else []
-            call = C.Scatter(self.rank_, self.size_, _Meta.of(out), metas(ins), int(opts.rootRank))
+            call = C.Scatter(self.rank_, self.size_, meta(out), metas(ins), int(opts.rootRank))
             return self._post(call, lambda: self.inner.scatter(outputs, inputs, opts))
 
         # torch renamed the single-tensor entry points (2.13 calls these; older releases the _base names).
-        all_gather_single = _allgather_base
-        reduce_scatter_single = _reduce_scatter_base
-        all_to_all_single = alltoall_base
+        all_gather_single = _allgather_base  # type: ignore[assignment]
+        reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]
+        all_to_all_single = alltoall_base  # type: ignore[assignment]
 
         def _coalesced(self, works: list[Any], tensors: list[Any]) -> Any:
             """Coalesced forms run as consecutive checked collectives, in list order, on every rank."""
@@ -708,27 +724,25 @@ def _make_checked_group_class() -> type:
         def all_gather_single_coalesced(self, outputs: list[Any], inputs: list[Any], opts: Any = None) -> Any:
             return self._coalesced([self._allgather_base(o, i) for o, i in zip(outputs, inputs)], outputs)
 
-        allgather_into_tensor_coalesced = all_gather_single_coalesced
+        allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
 
         def reduce_scatter_single_coalesced(self, outputs: list[Any], inputs: list[Any], opts: Any = None) -> Any:
-            return self._coalesced(
-                [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)], outputs
-            )
+            return self._coalesced([self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
 
-        reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+        reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
-        def barrier(self, opts: Any = None) -> Any:  # type: ignore[override]
+        def barrier(self, opts: Any = None) -> Any:
             opts = opts if opts is not None else c10d_c.BarrierOptions()
             return self._post(C.Barrier(self.rank_, self.size_), lambda: self.inner.barrier(opts))
 
         def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
             self.barrier().wait()
 
-        def send(self, tensors: list[Any], dst: int, tag: int = 0) -> Any:  # type: ignore[override]
+        def send(self, tensors: list[Any], dst: int, tag: int = 0) -> Any:
             t = C._one(tensors, "send")
             return self._p2p("send", t, int(dst), int(tag), lambda: self.inner.send(tensors, dst, tag))
 
-        def recv(self, tensors: list[Any], src: int, tag: int = 0) -> Any:  # type: ignore[override]
+        def recv(self, tensors: list[Any], src: int, tag: int = 0) -> Any:
             t = C._one(tensors, "recv")
             return self._p2p("recv", t, int(src), int(tag), lambda: self.inner.recv(tensors, src, tag))
 
@@ -1262,8 +1276,17 @@ class _Referee:
 
     # -- point to point -------------------------------------------------------------------------------------
     def _p2p(
-        self, rank: int, post_id: int, gid: str, members: tuple[int, ...], kind: str, me: int, peer: int,
-        tag: int, meta: Any, what: str,
+        self,
+        rank: int,
+        post_id: int,
+        gid: str,
+        members: tuple[int, ...],
+        kind: str,
+        me: int,
+        peer: int,
+        tag: int,
+        meta: Any,
+        what: str,
     ) -> None:
         src, dst = (me, peer) if kind == "send" else (peer, me)
         key = (gid, src, dst, tag)
@@ -1275,8 +1298,13 @@ class _Referee:
         if not theirs:
             if peer_rank in self.done:
                 k, phrase = self._gone(peer_rank)
-                self._fail(rank, post_id, k, f"rank {rank} called {what}, but rank {peer_rank} {phrase} without a matching "
-                           f"{'recv' if kind == 'send' else 'send'}")
+                self._fail(
+                    rank,
+                    post_id,
+                    k,
+                    f"rank {rank} called {what}, but rank {peer_rank} {phrase} without a matching "
+                    f"{'recv' if kind == 'send' else 'send'}",
+                )
                 return
             mine.append(entry)
             return
@@ -1300,7 +1328,7 @@ class _Referee:
             self.failed.add(rank)
         self.blocked.pop(rank, None)
         kind, phrase = self._gone(rank)
-        for key, ex in list(self.exchanges.items()):
+        for ex in list(self.exchanges.values()):
             if rank in ex.members and ex.error is None:  # its own side stays unanswered: it reports that
                 self._fail_exchange(ex, kind, self._left_message(ex, rank, phrase), skip=rank)
         for sends, recvs in self.transfers.values():
@@ -1309,7 +1337,9 @@ class _Referee:
                     queue_.remove(t)  # left unmatched: the rank itself reports them
         for (r, post_id), (what, _key, peer) in list(self.pending.items()):
             if r != rank and peer == rank:
-                self._fail(r, post_id, kind, f"rank {r} called {what}, but rank {rank} {phrase} without a matching transfer")
+                self._fail(
+                    r, post_id, kind, f"rank {r} called {what}, but rank {rank} {phrase} without a matching transfer"
+                )
         self._send(rank, ("ack", self.run_id))
         self._detect_deadlock()
 
@@ -2015,8 +2045,8 @@ def _check_not_bootstrapping(what: str) -> None:
     and multiprocessing fails obscurely (in the parent: "process object is closed"). Say so instead.
     """
     fix = (
-        f"Move the call (dstest.run(..., world=\"process\") or ProcessWorld().{what}(...)) under "
-        f"`if __name__ == \"__main__\":` and keep the rank functions at module level"
+        f'Move the call (dstest.run(..., world="process") or ProcessWorld().{what}(...)) under '
+        f'`if __name__ == "__main__":` and keep the rank functions at module level'
     )
     frame: Any = sys._getframe(1)
     while frame is not None:
@@ -2027,13 +2057,13 @@ def _check_not_bootstrapping(what: str) -> None:
                 raise UnguardedMain(
                     f"the process world's {what}() was called at module level of {path} while "
                     f"multiprocessing was importing that script in a worker process (as __mp_main__, to find "
-                    f"its functions by name): the call has no `if __name__ == \"__main__\":` guard, so every "
+                    f'its functions by name): the call has no `if __name__ == "__main__":` guard, so every '
                     f"worker would start workers of its own. {fix}"
                 )
             if name == "__main__" and path and _main_reimported() and not _under_main_guard(path, frame.f_lineno):
                 raise UnguardedMain(
                     f"the process world's {what}() is called at module level of {path} (line "
-                    f"{frame.f_lineno}) without an `if __name__ == \"__main__\":` guard: its worker processes "
+                    f'{frame.f_lineno}) without an `if __name__ == "__main__":` guard: its worker processes '
                     f"import that script to find the rank functions by name, and would run the call again, "
                     f"each starting workers of its own. {fix}"
                 )
