@@ -238,6 +238,19 @@ def test_an_async_all_reduce_never_waited_fails_naming_the_rank_and_the_call():
     assert ThreadedWorld(warm=True).run(lambda ctx: 1, 2) == [1, 1]
 
 
+def test_an_unwaited_collective_still_writes_the_callers_tensor_as_gloo_does():
+    kept: dict[int, torch.Tensor] = {}
+
+    def body(ctx):
+        kept[ctx.rank] = t = torch.ones(2)
+        dist.all_reduce(t, async_op=True)
+        dist.barrier()  # every rank has joined the all_reduce; nobody waits it
+
+    err = _failure(body)
+    assert "never waited" in str(err)
+    assert all(t.tolist() == [2.0, 2.0] for t in kept.values()) and len(kept) == 2
+
+
 def test_an_unmatched_isend_fails_and_does_not_leak_into_the_next_run():
     def body(ctx):
         if ctx.rank == 0:

@@ -384,15 +384,15 @@ class Session:
             self._doom_waits_needing(rank)
             self._detect_deadlock()
         problem: BaseException | None = None
+        unmatched = [w for w in left if not w.event.is_set()]
+        unwaited = [w for w in left if w.event.is_set()]
+        for w in unwaited:  # as gloo would have: the caller's tensors hold the result
+            if w.error is None:
+                try:
+                    w.finish_once()
+                except Exception:  # noqa: BLE001 - reported below as unwaited work
+                    pass
         if left and self.aborted is None:
-            unmatched = [w for w in left if not w.event.is_set()]
-            unwaited = [w for w in left if w.event.is_set()]
-            for w in unwaited:  # as gloo would have: the caller's tensors hold the result
-                if w.error is None:
-                    try:
-                        w.finish_once()
-                    except Exception:  # noqa: BLE001 - reported below as unwaited work
-                        pass
             lines = [
                 f"  never waited, and unmatched when the rank finished (missing ranks {w.waiting_for()}): "
                 f"{w.describe()}"
