@@ -426,3 +426,16 @@ def test_cap_setting_is_validated(monkeypatch, value):
     monkeypatch.setattr(process, "max_warm_workers", True)
     with pytest.raises(InvalidArgument, match="max_warm_workers=True"):
         process.warm_worker_cap()
+
+
+def _ddp(ctx):
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    model(torch.full((3, 4), float(ctx.rank))).sum().backward()
+    return [p.grad.tolist() for p in model.parameters()], len(process._CHECKER.posted)
+
+
+def test_ddp_runs_on_checked_groups():
+    (grads0, checked0), (grads1, checked1) = PROCESS.run(_ddp, 2, timeout=TIMEOUT)
+    assert grads0 == grads1  # averaged across ranks by DDP's all_reduce
+    assert checked0 >= 3 and checked1 >= 3  # its broadcast, all_gather and all_reduce all went through the check

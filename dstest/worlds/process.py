@@ -565,6 +565,10 @@ def _make_checked_group_class() -> type:
             self._group_name = ""
             self._group_desc = ""
             self.label = "world" if gid == "0" and len(members) == checker.world_size else f"{gid} {list(members)}"
+            # C++ code that asks the group for its gloo backend by type (DDP's logger does) finds it; the
+            # collectives it issues still come through the methods below (torch calls them virtually).
+            self._register_backend(torch.device("cpu"), c10d_c.ProcessGroup.BackendType.GLOO, inner)
+            self._set_default_backend(c10d_c.ProcessGroup.BackendType.GLOO)
 
         # -- what torch asks of a group ------------------------------------------------------------------
         def getGroupName(self) -> str:
