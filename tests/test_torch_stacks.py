@@ -739,3 +739,24 @@ def test_world_group_kept_from_an_earlier_world_acts_for_the_current_world():
         return True
 
     assert world.run(later, 3) == [True] * 3
+
+
+# -- the README's example, as written there ---------------------------------------------------------------------
+@dstest.spec(world_size=SIZES, worlds=WORLDS)
+def test_readme_fsdp2_example(ctx):
+    """README "torch's stacks": torch.manual_seed then model construction on every rank, one FSDP2 step."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2 * ctx.world_size, 5, generator=g), torch.randn(2 * ctx.world_size, 3, generator=g)
+    nn.functional.mse_loss(ref(x), y).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    fully_shard(model, mesh=_cpu_mesh(ctx.world_size))
+    mine = slice(2 * ctx.rank, 2 * ctx.rank + 2)
+    nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q.detach())
