@@ -9,6 +9,7 @@ compare it with a single-process reference computed inside the spec from the sam
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import tempfile
 
@@ -43,10 +44,10 @@ def _global(seed: int, *shape: int) -> torch.Tensor:
 
 
 def _mlp(seed: int, dims: tuple[int, ...] = (5, 7, 3)) -> nn.Sequential:
-    """A small MLP whose parameter sizes (5x7, 7, 7x3, 3) divide by none of 2, 3, 4 along dim 0 for W=2,4."""
+    """A small MLP; by default dim-0 sizes 7 (uneven at W = 2, 3, 4) and 3 (uneven at W = 2, 4)."""
     g = torch.Generator().manual_seed(seed)
     layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(dims, dims[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(dims)):
         lin = nn.Linear(a, b)
         with torch.no_grad():
             lin.weight.copy_(torch.randn(b, a, generator=g) / a**0.5)
@@ -103,7 +104,7 @@ def test_device_mesh_2d_submesh_and_flatten(ctx):
 
 
 # -- DTensor -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("rows", [8, 7])  # 7 rows: an uneven shard for every W in SIZES but... 7 % W != 0
+@pytest.mark.parametrize("rows", [8, 7])  # 7 rows: uneven at every W in SIZES; 8: uneven at W=3 only
 @dstest.spec(world_size=SIZES, worlds=WORLDS)
 def test_dtensor_distribute_and_full_tensor(ctx, rows):
     """distribute_tensor with Shard(0), Shard(1) and Replicate; local shards are torch.chunk's; full_tensor round-trips."""
@@ -328,7 +329,7 @@ def test_fsdp2_fully_shard_matches_single_process(ctx, opt_kind, reshard):
         mine = slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)
         nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
         opt.step()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+    for p, q in zip(model.parameters(), ref.parameters()):
         _close(p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-5)
 
 
@@ -453,7 +454,7 @@ def test_tensor_parallel_sequence_parallel(ctx):
     _close(out, want.chunk(w, 1)[ctx.rank], rtol=1e-5, atol=1e-5)
     out.sum().backward()
     want.sum().backward()
-    for (name, p), q in zip(tp.named_parameters(), ref.parameters()):
+    for p, q in zip(tp.parameters(), ref.parameters()):
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         _close(grad, q.grad, rtol=1e-4, atol=1e-5)
 
@@ -508,7 +509,11 @@ test_ddp_buckets_process = pytest.mark.xfail(
     strict=True,
     reason="process world: DDP() raises 'Could not find backend type 1 for Process Group with name gloo' "
     "in Logger.set_construction_data_and_log (CheckedGroup says 'gloo' but registers no C++ CPU backend)",
-)(pytest.mark.parametrize("mode", ["no_sync", "static_graph"])(dstest.spec(world_size=SIZES, worlds=["process"])(_ddp_buckets)))
+)(
+    pytest.mark.parametrize("mode", ["no_sync", "static_graph"])(
+        dstest.spec(world_size=SIZES, worlds=["process"])(_ddp_buckets)
+    )
+)
 
 
 @dstest.spec(world_size=SIZES, worlds=WORLDS)

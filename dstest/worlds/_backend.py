@@ -144,12 +144,12 @@ class Group(dist.ProcessGroup):
     def group_desc(self) -> str:  # type: ignore[override]
         return self._desc
 
-    def rank(self) -> int:  # type: ignore[override]
+    def rank(self) -> int:
         """The calling rank's rank in this group (c10d's ``get_rank``/``get_world_size`` ask the object:
         a group object that crossed to another rank, or from an earlier world, answers for the caller)."""
         return self._acting().rank_
 
-    def size(self) -> int:  # type: ignore[override]
+    def size(self) -> int:
         return self._acting().size_
 
     def next_seq(self) -> int:

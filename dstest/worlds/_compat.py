@@ -233,7 +233,7 @@ def thread_local_c10d_world(
             torch.manual_seed = _serialised_manual_seed  # type: ignore[assignment]
             torch.random.manual_seed = _serialised_manual_seed  # type: ignore[assignment]
             _INSTALL.saved["monitored_barrier"] = c10d.monitored_barrier
-            c10d.monitored_barrier = dist.monitored_barrier = _monitored_barrier  # type: ignore[assignment]
+            c10d.monitored_barrier = dist.monitored_barrier = _monitored_barrier
         if capture is not None:
             _HOOKS.capture = capture
         if seed is not None:
