@@ -287,8 +287,8 @@ class AllGather(Call):
         return self.outs
 
 
-class AllGatherIntoTensor(Call):
-    op = "all_gather_into_tensor"
+class _SingleTensorCall(Call):
+    """A collective over one input and one output tensor, one of them group-size times the other."""
 
     def __init__(self, group_rank: int, group_size: int, out: torch.Tensor, inp: torch.Tensor) -> None:
         super().__init__(group_rank, group_size)
@@ -298,19 +298,27 @@ class AllGatherIntoTensor(Call):
     def details(self) -> str:
         return f"in={describe_tensor(self.inp)}, out={describe_tensor(self.out)}"
 
-    def check_local(self) -> None:
-        if self.out.numel() != self.inp.numel() * self.group_size:
+    def _check_scaled(self, big_name: str, big: torch.Tensor, small_name: str, small: torch.Tensor) -> None:
+        if big.numel() != small.numel() * self.group_size:
             raise InvalidArgument(
-                f"all_gather_into_tensor: output has {self.out.numel()} elements, expected "
-                f"group size {self.group_size} x input {self.inp.numel()} = {self.inp.numel() * self.group_size}"
+                f"{self.op}: {big_name} has {big.numel()} elements, expected group size {self.group_size} "
+                f"x {small_name} {small.numel()} = {small.numel() * self.group_size}"
             )
         if self.out.dtype != self.inp.dtype:
-            raise InvalidArgument(
-                f"all_gather_into_tensor: output dtype {self.out.dtype} != input dtype {self.inp.dtype}"
-            )
+            raise InvalidArgument(f"{self.op}: output dtype {self.out.dtype} != input dtype {self.inp.dtype}")
 
     def key(self) -> tuple[Any, ...]:
         return (*super().key(), _sig(self.inp), _sig(self.out))
+
+    def outputs(self) -> list[torch.Tensor]:
+        return [self.out]
+
+
+class AllGatherIntoTensor(_SingleTensorCall):
+    op = "all_gather_into_tensor"
+
+    def check_local(self) -> None:
+        self._check_scaled("output", self.out, "input", self.inp)
 
     def combine(self, calls: Sequence[Call]) -> list[Any]:
         flat = torch.cat([c.inp.detach().reshape(-1) for c in calls])  # type: ignore[attr-defined]
@@ -318,9 +326,6 @@ class AllGatherIntoTensor(Call):
 
     def finish(self, source: Any) -> None:
         self.out.copy_(source.view(self.out.shape))
-
-    def outputs(self) -> list[torch.Tensor]:
-        return [self.out]
 
 
 class ReduceScatter(Call):
@@ -366,33 +371,17 @@ class ReduceScatter(Call):
         return [self.out]
 
 
-class ReduceScatterTensor(Call):
+class ReduceScatterTensor(_SingleTensorCall):
     op = "reduce_scatter_tensor"
 
     def __init__(
         self, group_rank: int, group_size: int, out: torch.Tensor, inp: torch.Tensor, reduce_op: str
     ) -> None:
-        super().__init__(group_rank, group_size)
-        self.out = out
-        self.inp = inp
+        super().__init__(group_rank, group_size, out, inp)
         self.reduce_op = reduce_op
 
-    def details(self) -> str:
-        return f"in={describe_tensor(self.inp)}, out={describe_tensor(self.out)}"
-
     def check_local(self) -> None:
-        if self.inp.numel() != self.out.numel() * self.group_size:
-            raise InvalidArgument(
-                f"reduce_scatter_tensor: input has {self.inp.numel()} elements, expected group size "
-                f"{self.group_size} x output {self.out.numel()} = {self.out.numel() * self.group_size}"
-            )
-        if self.out.dtype != self.inp.dtype:
-            raise InvalidArgument(
-                f"reduce_scatter_tensor: output dtype {self.out.dtype} != input dtype {self.inp.dtype}"
-            )
-
-    def key(self) -> tuple[Any, ...]:
-        return (*super().key(), _sig(self.inp), _sig(self.out))
+        self._check_scaled("input", self.inp, "output", self.out)
 
     def combine(self, calls: Sequence[Call]) -> list[Any]:
         assert self.reduce_op is not None
@@ -402,9 +391,6 @@ class ReduceScatterTensor(Call):
 
     def finish(self, source: Any) -> None:
         self.out.copy_(source.view(self.out.shape))
-
-    def outputs(self) -> list[torch.Tensor]:
-        return [self.out]
 
 
 class AllToAll(Call):

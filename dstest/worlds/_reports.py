@@ -45,8 +45,9 @@ class Outcome:
     an error a future delivered after it). Primary failures come first in the report.
     """
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, label: str = "") -> None:
         self.world_size = world_size
+        self.label = label  # e.g. " in the process world of 2 ranks (gloo)"
         self.results: list[Any] = [None] * world_size
         self.failures: dict[int, BaseException] = {}
         self.order: list[int] = []
@@ -76,7 +77,7 @@ class Outcome:
         aborted = sorted(set(order) - set(shown))
         tail = f"\nranks {aborted} were aborted because of the failure above" if aborted else ""
         return RankFailure(
-            f"{len(shown)} of {self.world_size} ranks failed: {head}\n{body}{tail}{notes}",
+            f"{len(shown)} of {self.world_size} ranks failed{self.label}: {head}\n{body}{tail}{notes}",
             {r: tracebacks[r] for r in sorted(failures)},
             {r: failures[r] for r in sorted(failures)},
         )

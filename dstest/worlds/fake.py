@@ -9,7 +9,6 @@ exactly as in the threaded world.
 from __future__ import annotations
 
 import threading
-import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -23,6 +22,7 @@ from dstest.worlds import _collectives as C
 from dstest.worlds import _compat
 from dstest.worlds.protocol import check_run_arguments
 from dstest.worlds._backend import BACKEND_NAME, binding, register_backend
+from dstest.worlds._reports import format_exception
 from dstest.worlds._session import Done
 
 __all__ = ["FakeWorld"]
@@ -115,8 +115,7 @@ class FakeWorld:
                         )
                         box["result"] = fn(ctx, *args, **(kwargs or {}))
                     except BaseException as exc:
-                        box["error"] = exc
-                        box["traceback"] = "".join(traceback.format_exception(exc))
+                        box["error"] = exc  # formatted on the caller's thread (see _reports)
                     finally:
                         if dist.is_initialized():
                             dist.destroy_process_group()
@@ -130,9 +129,10 @@ class FakeWorld:
                 if thread.is_alive():
                     raise WorldTimeout(f"fake rank {rank} of {world_size} ran past its timeout of {timeout:g} s", {})
                 if "error" in box:
+                    text = format_exception(box["error"])
                     raise RankFailure(
-                        f"fake rank {rank} of {world_size} failed: {box['error']!r}\n{box['traceback']}",
-                        {rank: box["traceback"]},
+                        f"fake rank {rank} of {world_size} failed: {box['error']!r}\n{text}",
+                        {rank: text},
                         {rank: box["error"]},
                     )
                 results.append(box.get("result"))
