@@ -141,7 +141,7 @@ class Group(dist.ProcessGroup):
         return self._name
 
     @property
-    def group_desc(self) -> str:  # type: ignore[override]
+    def group_desc(self) -> str:
         return self._desc
 
     def rank(self) -> int:
@@ -339,7 +339,7 @@ class Group(dist.ProcessGroup):
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
         raise InvalidArgument("recv without src (any source) is not supported by dstest's worlds; pass src")
 
-    def monitoredBarrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:  # noqa: N802
+    def monitoredBarrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         raise InvalidArgument(
             "dist.monitored_barrier is implemented by torch for the gloo backend only (torch's own limit); "
             "use dist.barrier() in the threaded world, or world='process' (gloo) for monitored_barrier"

@@ -230,8 +230,8 @@ def thread_local_c10d_world(
             _INSTALL.saved["start"] = threading.Thread.start
             threading.Thread.start = _inheriting_start  # type: ignore[method-assign]
             _INSTALL.saved["manual_seed"] = torch.manual_seed
-            torch.manual_seed = _serialised_manual_seed  # type: ignore[assignment]
-            torch.random.manual_seed = _serialised_manual_seed  # type: ignore[assignment]
+            torch.manual_seed = _serialised_manual_seed
+            torch.random.manual_seed = _serialised_manual_seed
             _INSTALL.saved["monitored_barrier"] = c10d.monitored_barrier
             c10d.monitored_barrier = dist.monitored_barrier = _monitored_barrier
         if capture is not None:
@@ -271,7 +271,7 @@ def thread_local_c10d_world_ensure() -> None:
         if _INSTALL.users == 0 or _INSTALL.world is None:
             return
         _set_isolation(True)
-        if c10d._world is not _INSTALL.world:
+        if c10d._world is not _INSTALL.world:  # type: ignore[comparison-overlap]
             c10d._world = _INSTALL.world  # type: ignore[assignment]
 
 

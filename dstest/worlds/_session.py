@@ -390,7 +390,7 @@ class Session:
             if w.error is None:
                 try:
                     w.finish_once()
-                except Exception:  # noqa: BLE001 - reported below as unwaited work
+                except Exception:
                     pass
         if left and self.aborted is None:
             lines = [

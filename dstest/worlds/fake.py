@@ -20,10 +20,10 @@ from dstest.context import RankContext
 from dstest.errors import InvalidArgument, RankFailure, WorldTimeout
 from dstest.worlds import _collectives as C
 from dstest.worlds import _compat
-from dstest.worlds.protocol import check_run_arguments
 from dstest.worlds._backend import BACKEND_NAME, binding, register_backend
 from dstest.worlds._reports import format_exception
 from dstest.worlds._session import Done
+from dstest.worlds.protocol import check_run_arguments
 
 __all__ = ["FakeWorld"]
 
@@ -41,13 +41,13 @@ class _FakeSession:
         call.check_local()
         group.next_seq()
         self.calls[call.op] = self.calls.get(call.op, 0) + 1
-        return Done(self, group.global_ranks[group.rank_], call.outputs())  # type: ignore[arg-type]
+        return Done(self, group.global_ranks[group.rank_], call.outputs())
 
     def post_p2p(self, group: Any, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> Done:
         if not 0 <= peer < group.size_:
             raise InvalidArgument(f"{kind}: peer rank {peer} is not in the group (size {group.size_})")
         self.calls[kind] = self.calls.get(kind, 0) + 1
-        return Done(self, group.global_ranks[group.rank_], [tensor])  # type: ignore[arg-type]
+        return Done(self, group.global_ranks[group.rank_], [tensor])
 
     def wait(self, waitable: Any) -> None:
         if waitable.error is not None:

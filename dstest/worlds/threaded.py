@@ -98,7 +98,7 @@ def _is_consequence(session: Session, exc: BaseException) -> bool:
 
 
 def _call_rank(
-    session: Session,
+    session: ThreadedSession,
     rank: int,
     fn: Callable[..., Any],
     ctx: RankContext,
@@ -252,13 +252,13 @@ def _await_ranks(
         session.abort(WorldAborted("interrupted (Ctrl-C)"))
         interrupt(threads, running, ABORT_GRACE_S)
         raise
-    stuck = running()
-    if not stuck:
+    left = running()
+    if not left:
         return ""
     stacks = stacks_of(threads)
-    lines = "\n".join(f"---- {t.name} ----\n{stacks.get(threads.index(t), '(no stack)')}" for t in stuck)
+    lines = "\n".join(f"---- {t.name} ----\n{stacks.get(threads.index(t), '(no stack)')}" for t in left)
     return (
-        f"\nthreads that could not be stopped (stuck in C code; never reused): {[t.name for t in stuck]}\n{lines}"
+        f"\nthreads that could not be stopped (stuck in C code; never reused): {[t.name for t in left]}\n{lines}"
     )
 
 
