@@ -2,6 +2,11 @@
 
 Imports only pytest and the standard library at import time, so it costs nothing in projects that do
 not use it; torch is imported by the specs that run.
+
+Also: the hooks of :mod:`dstest.hookspecs` (plug-in targets and worlds, registered at configure time),
+collection of the bundled conformance package (``pytest dstest/specs`` collects every spec module, not
+only ``test_*.py``), and deviations: a spec failure of a third-party target is marked as a deviation on
+its report and shown as ``D`` / ``DEV`` with its own summary section (see :mod:`dstest.report`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ OPT_TIMEOUT = "--dstest-timeout"
 OPT_TARGET = "--dstest-target"
 OPT_SEED = "--dstest-seed"
 OPT_MARK_UNMARKED = "--dstest-mark-unmarked"
+OPT_WORLD_SIZES = "--dstest-world-sizes"
+OPT_SPECS = "--dstest-specs"
 
 _MARKERS = {
     "cpu": "runs on CPU only (simulated worlds, gloo processes). Provided by dstest.",
@@ -24,6 +31,7 @@ _MARKERS = {
 
 _settings_key = pytest.StashKey[Any]()
 _owns_pools_key = pytest.StashKey[bool]()
+_third_party_key = pytest.StashKey[bool]()
 # Sessions configured in this process and not yet unconfigured: pytester's in-process runs nest a session
 # inside the outer one, and only the outermost may stop the worlds' pools and crews.
 _active_sessions: list[pytest.Config] = []
@@ -40,19 +48,43 @@ def _usage(option: str, value: object, exc: Exception, shown: str) -> pytest.Usa
 
 
 def _parse_worlds(value: str) -> tuple[str, ...]:
-    from dstest.worlds import WORLD_NAMES  # light: no torch import
-
+    """The world names of ``--dstest-worlds``; whether each is known is checked at configure time, after
+    plug-ins (conftests included) have registered theirs."""
     names = tuple(w.strip() for w in value.split(",") if w.strip())
-    unknown = [w for w in names if w not in WORLD_NAMES]
-    if not names or unknown:
+    if not names:
+        from dstest.worlds import WORLD_NAMES  # light: no torch import
+
         raise pytest.UsageError(
-            f"{OPT_WORLDS}={value!r}: unknown world(s) {unknown or '(none given)'}; "
-            f"use a comma-separated list of {', '.join(WORLD_NAMES)}"
+            f"{OPT_WORLDS}={value!r}: unknown world(s) (none given); use a comma-separated list of {', '.join(WORLD_NAMES)}"
         )
     repeated = sorted({w for w in names if names.count(w) > 1})
     if repeated:
         raise pytest.UsageError(f"{OPT_WORLDS}={value!r}: lists {repeated} more than once; give each world once")
     return names
+
+
+def _check_worlds(names: tuple[str, ...] | None) -> None:
+    from dstest.registry import world_names
+
+    known = world_names()
+    unknown = [w for w in names or () if w not in known]
+    if unknown:
+        raise pytest.UsageError(
+            f"{OPT_WORLDS}={','.join(names or ())!r}: unknown world(s) {unknown}; "
+            f"use a comma-separated list of {', '.join(known)}"
+        )
+
+
+def _parse_world_sizes(value: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(s) for s in value.split(",") if s.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or any(s < 1 for s in sizes):
+        raise pytest.UsageError(f"{OPT_WORLD_SIZES}={value!r}: give comma-separated ints >= 1, e.g. 1,2,3")
+    if len(set(sizes)) != len(sizes):
+        raise pytest.UsageError(f"{OPT_WORLD_SIZES}={value!r}: give each size once, e.g. 1,2,3")
+    return sizes
 
 
 def _parse_timeout(value: str) -> float:
@@ -72,13 +104,8 @@ def _parse_timeout(value: str) -> float:
 
 
 def _parse_target(value: str) -> str:
-    from dstest.errors import InvalidArgument
-    from dstest.worlds.protocol import check_target  # light: no torch import
-
-    try:
-        return check_target(value)
-    except InvalidArgument as exc:
-        raise _usage(OPT_TARGET, value, exc, f"target={value!r}") from None
+    """The name of ``--dstest-target``; whether it is known is checked at configure time (plug-ins first)."""
+    return value
 
 
 def _parse_seed(value: str) -> int:
@@ -116,7 +143,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         OPT_TARGET,
         type=_parse_target,
         default="impl",
-        help="system under test for the bundled specs: impl (default) or deepspeed",
+        help="system under test for the bundled specs: impl (default), deepspeed, or a plug-in's target",
+    )
+    group.addoption(
+        OPT_WORLD_SIZES,
+        type=_parse_world_sizes,
+        default=None,
+        metavar="1,2,3",
+        help="run every spec at these world sizes instead of its own",
+    )
+    group.addoption(
+        OPT_SPECS,
+        default=None,
+        metavar="GLOB",
+        help="keep only specs whose function name or SPEC contract matches this glob (e.g. 'B*', '*sum*')",
     )
     group.addoption(
         OPT_SEED, type=_parse_seed, default=0, help="base seed of every rank's generator, an int >= 0 (default 0)"
@@ -130,6 +170,37 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from dstest import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
+
+
+def _register_plugins(config: pytest.Config) -> None:
+    """Register the targets and worlds that ``dstest_targets`` / ``dstest_worlds`` implementations return."""
+    from dstest.errors import InvalidArgument
+    from dstest.registry import register_target, register_world
+
+    for hook, register in ((config.hook.dstest_targets, register_target), (config.hook.dstest_worlds, register_world)):
+        kind = hook.name
+        seen: dict[str, object] = {}
+        for mapping in hook():
+            if mapping is None:
+                continue
+            if not hasattr(mapping, "items"):
+                raise pytest.UsageError(f"{kind}() returned {mapping!r}; return a dict of name -> factory")
+            for name, factory in mapping.items():
+                if name in seen and seen[name] is not factory:
+                    raise pytest.UsageError(
+                        f"{kind}(): {name!r} is given by two plugins ({seen[name]!r} and {factory!r}); rename one"
+                    )
+                seen[name] = factory
+                try:  # replace: a conftest reloaded by a nested (pytester) session brings a new class
+                    register(name, factory, replace=True)
+                except InvalidArgument as exc:
+                    raise pytest.UsageError(f"{kind}(): {exc}") from None
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_owns_pools_key] = not _active_sessions
     _active_sessions.append(config)
@@ -141,6 +212,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
     if not config.pluginmanager.is_registered(fixtures):
         config.pluginmanager.register(fixtures, "dstest.fixtures")
+    _register_plugins(config)
+    _check_worlds(config.getoption(OPT_WORLDS))
     # Option values set without the parsers (a conftest's config.option, pytest.main's plugins) are
     # checked here too: every setting reaches the worlds checked.
     values = {
@@ -157,17 +230,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    from dstest.registry import world_marker
     from dstest.specification import CASE_ARG, Case, spec_info
-    from dstest.worlds import DEFAULT_WORLDS, WORLD_MARKERS
+    from dstest.worlds import DEFAULT_WORLDS
 
     info = spec_info(metafunc.function)
     if info is None:
         return
     _check_placement(metafunc, info)
     worlds = metafunc.config.getoption(OPT_WORLDS) or info.worlds or DEFAULT_WORLDS
+    sizes = metafunc.config.getoption(OPT_WORLD_SIZES) or info.world_sizes
     params = [
-        pytest.param(case, id=case.id, marks=[getattr(pytest.mark, WORLD_MARKERS[case.world])])
-        for case in (Case(world=w, world_size=ws) for w in worlds for ws in info.world_sizes)
+        pytest.param(case, id=case.id, marks=[getattr(pytest.mark, world_marker(case.world))])
+        for case in (Case(world=w, world_size=ws) for w in worlds for ws in sizes)
     ]
     metafunc.parametrize(CASE_ARG, params)
 
@@ -196,17 +271,94 @@ def _check_placement(metafunc: pytest.Metafunc, info: Any) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-    """A skip inside a spec body is reported at the body's line, not inside dstest (``-rs``)."""
+    """A skip inside a spec body is reported at the body's line, not inside dstest (``-rs``); a spec
+    failure of a third-party target is marked as a deviation (:func:`dstest.report.classify`)."""
     report = yield
     excinfo = call.excinfo
     location = getattr(excinfo.value, "dstest_location", None) if excinfo is not None else None
     if location is not None and report.skipped and isinstance(report.longrepr, tuple):
         path, lineno = location
         report.longrepr = (str(path), int(lineno), report.longrepr[2])
+    if excinfo is not None and report.failed and call.when == "call" and _is_spec(item):
+        from dstest.report import DEVIATION, OUTCOME_PROPERTY, classify
+
+        if classify(excinfo.value, _third_party(item.config))[0] == DEVIATION:
+            report.user_properties.append((OUTCOME_PROPERTY, DEVIATION))
     return report
 
 
+def _is_spec(item: pytest.Item) -> bool:
+    from dstest.specification import spec_info
+
+    return spec_info(getattr(item, "function", None)) is not None
+
+
+def _third_party(config: pytest.Config) -> bool:
+    known = config.stash.get(_third_party_key, None)
+    if known is None:
+        from dstest.report import is_third_party
+
+        known = config.stash[_third_party_key] = is_third_party(settings(config).target)
+    return known
+
+
+def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -> tuple[str, str, str] | None:
+    """Deviations are their own category: ``D`` in the progress line, ``DEV`` with ``-v``, "N deviation"."""
+    from dstest.report import DEVIATION, is_deviation
+
+    if report.when == "call" and report.failed and is_deviation(report):
+        return DEVIATION, "D", "DEV"
+    return None
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """The tracebacks of deviations (pytest's FAILURES section lists only the "failed" category)."""
+    from dstest.report import DEVIATION
+
+    reports = terminalreporter.stats.get(DEVIATION, [])
+    if not reports or config.option.tbstyle == "no":
+        return
+    terminalreporter.write_sep("=", f"DEVIATIONS of target {settings(config).target!r} from SPEC.md", yellow=True)
+    for report in reports:
+        terminalreporter.write_sep("_", report.head_line or report.nodeid, yellow=True)
+        terminalreporter.line(report.longreprtext)
+    if set(config.option.reportchars or "") & set("faA"):  # -rf / -ra: one line each, as for failures
+        terminalreporter.write_sep("=", "deviations (short)", yellow=True)
+        for report in reports:
+            lines = [ln for ln in report.longreprtext.splitlines() if ln.startswith("E ")]
+            terminalreporter.line(f"DEV {report.nodeid} - {lines[0][1:].strip() if lines else ''}")
+
+
+def pytest_collect_file(file_path: Any, parent: pytest.Collector) -> pytest.Module | None:
+    """Every module of the bundled conformance package is a test module (its names need not be test_*)."""
+    import fnmatch
+    import os
+
+    if file_path.suffix != ".py" or file_path.name.startswith("_"):
+        return None
+    specs_dir = _specs_dir()
+    if os.path.dirname(os.path.realpath(file_path)) != specs_dir:
+        return None
+    patterns = parent.config.getini("python_files")
+    if parent.session.isinitpath(file_path) or any(fnmatch.fnmatch(file_path.name, p) for p in patterns):
+        return None  # pytest's own python plugin collects it
+    module: pytest.Module = pytest.Module.from_parent(parent, path=file_path)
+    return module
+
+
+def _specs_dir() -> str:
+    """The directory of :mod:`dstest.specs`, found without importing it (it imports torch)."""
+    import importlib.util
+    import os
+
+    found = importlib.util.find_spec("dstest.specs")
+    locations = list(found.submodule_search_locations or []) if found is not None else []
+    return os.path.realpath(locations[0]) if locations else ""
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's -k deselection, which reads the contract keywords
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _contracts_as_keywords(config, items)
     if "soak" not in (config.getoption("markexpr", "") or ""):
         soak = [item for item in items if item.get_closest_marker("soak") is not None]
         if soak:
@@ -218,6 +370,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("cpu") is None and item.get_closest_marker("gpu") is None:
             item.add_marker(getattr(pytest.mark, mark))
+
+
+def _contracts_as_keywords(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``-k B4`` selects contract B4's specs; ``--dstest-specs=GLOB`` keeps specs by name or contract."""
+    import fnmatch
+
+    from dstest.specification import spec_info
+
+    pattern = config.getoption(OPT_SPECS)
+    dropped = []
+    for item in items:
+        info = spec_info(getattr(item, "function", None))
+        if info is None:
+            continue
+        if info.contract:
+            item.extra_keyword_matches.add(info.contract)
+        name = getattr(item, "originalname", item.name)
+        if pattern is not None and not (
+            fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(info.contract or "", pattern)
+        ):
+            dropped.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        gone = {id(item) for item in dropped}
+        items[:] = [item for item in items if id(item) not in gone]
 
 
 def settings(config: pytest.Config) -> Any:

@@ -83,6 +83,7 @@ class _Kind:
     builtin: Mapping[str, tuple[str, str, Mapping[str, Any]]]
     plugins: dict[str, Factory] = field(default_factory=dict)
     loaded_entry_points: bool = False
+    entry_point_names: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def register(self, name: object, factory: object, *, replace: bool = False) -> None:
@@ -109,6 +110,7 @@ class _Kind:
                     "give one of them another name"
                 )
             self.plugins[name] = factory
+            self.entry_point_names.discard(name)
 
     def load_entry_points(self) -> None:
         if self.loaded_entry_points:
@@ -122,6 +124,7 @@ class _Kind:
             if ep.name in self.builtin or ep.name in self.plugins:
                 continue  # a plug-in registered by hand (or a conftest) wins over its own entry point
             self.register(ep.name, _LazyEntryPoint(ep.name, ep.value, ep.load))
+            self.entry_point_names.add(ep.name)
 
     def names(self) -> tuple[str, ...]:
         self.load_entry_points()
@@ -215,9 +218,8 @@ def world_factory(name: object) -> Factory:
 
 def is_entry_point_target(name: str) -> bool:
     """Whether target ``name`` comes from an entry point (which every process finds by itself)."""
-    from importlib.metadata import entry_points
-
-    return any(ep.name == name for ep in entry_points(group=TARGET_ENTRY_POINTS))
+    _TARGETS.load_entry_points()
+    return name in _TARGETS.entry_point_names
 
 
 def world_marker(name: str) -> str:

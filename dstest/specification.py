@@ -120,27 +120,33 @@ class Settings:
         check_seed(self.seed)
 
 
-@dataclass(frozen=True)
 class TargetBinding:
     """Binds the system under test onto a rank's context: ``binding(ctx)`` on every rank, before the body.
 
-    It applies the target's environment (``Target.environment(device)``, e.g. DeepSpeed's
+    It applies the target's environment (``environment(device)`` on the target's class, e.g. DeepSpeed's
     ``DS_ACCELERATOR=cpu``) to the rank's process and makes ``ctx.target`` the target's adapter, made on
-    first use. Picklable: built-in targets and entry-point plug-ins travel by name (a worker process finds
-    them itself); a target registered by a hook or :func:`dstest.registry.register_target` travels with its
-    factory, pickled by reference (so it must be importable by module name where the rank runs).
+    first use. The factory is looked up where the binding is made (the caller's thread: importing a target
+    inside rank threads would spend the world's timeout). Picklable: built-in targets and entry-point
+    plug-ins travel by name (a worker process finds them itself); a target registered by a hook or
+    :func:`dstest.registry.register_target` travels with its factory, pickled by reference (so it must be
+    importable by module name where the rank runs).
     """
 
-    name: str
+    __slots__ = ("_factory", "name")
 
-    def factory(self) -> Callable[[], Any]:
+    def __init__(self, name: str, factory: Callable[[], Any] | None = None) -> None:
         from dstest.registry import target_factory
 
-        return target_factory(self.name)
+        self.name = check_target(name)
+        self._factory = factory if factory is not None else target_factory(name)
+
+    def factory(self) -> Callable[[], Any]:
+        """What makes the target's adapter (usually its class)."""
+        return self._factory
 
     def environment(self, device: str) -> Mapping[str, str]:
         """The variables the target asks for on ``device`` ('cpu', 'cuda'), checked to be str -> str."""
-        hook = getattr(self.factory(), "environment", None)
+        hook = getattr(self._factory, "environment", None)
         if hook is None:
             return {}
         env = hook(device)
@@ -155,14 +161,23 @@ class TargetBinding:
         for key, value in self.environment(ctx.device.type).items():
             if os.environ.get(key) != value:
                 os.environ[key] = value
-        ctx.bind_target(self.name, self.factory())
+        ctx.bind_target(self.name, self._factory)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TargetBinding) and (other.name, other._factory) == (self.name, self._factory)
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __repr__(self) -> str:
+        return f"TargetBinding({self.name!r})"
 
     def __reduce__(self) -> tuple[Callable[..., TargetBinding], tuple[Any, ...]]:
         from dstest.registry import BUILTIN_TARGETS, is_entry_point_target
 
         if self.name in BUILTIN_TARGETS or is_entry_point_target(self.name):
             return (TargetBinding, (self.name,))
-        return (_binding_with_factory, (self.name, self.factory()))
+        return (_binding_with_factory, (self.name, self._factory))
 
 
 def _binding_with_factory(name: str, factory: Callable[[], Any]) -> TargetBinding:
@@ -170,7 +185,7 @@ def _binding_with_factory(name: str, factory: Callable[[], Any]) -> TargetBindin
     from dstest.registry import register_target
 
     register_target(name, factory, replace=True)
-    return TargetBinding(name)
+    return TargetBinding(name, factory)
 
 
 def _as_sizes(world_size: object) -> tuple[int, ...]:
@@ -197,8 +212,9 @@ def _as_sizes(world_size: object) -> tuple[int, ...]:
 def _as_worlds(worlds: object) -> tuple[str, ...] | None:
     if worlds is None:
         return None
-    from dstest.worlds import WORLD_NAMES
+    from dstest.registry import world_names
 
+    WORLD_NAMES = world_names()  # noqa: N806 - built in and plug-ins
     if isinstance(worlds, str | bytes) or not isinstance(worlds, Iterable):
         raise InvalidArgument(
             f"worlds={worlds!r}: give a list of world names, e.g. worlds=['threaded']; allowed: {list(WORLD_NAMES)}"

@@ -9,6 +9,7 @@ import pytest
 
 from dstest import cli
 from dstest.errors import RankFailure
+from dstest.report import classify
 
 pytestmark = pytest.mark.cpu
 
@@ -39,10 +40,10 @@ def test_no_match_is_exit_2(capsys):
 
 def test_failures_on_third_party_targets_are_deviations():
     failure = RankFailure("1 of 2 ranks failed", {0: "tb"}, {0: AssertionError("sum is mean")})
-    assert cli._classify(failure, third_party=True)[0] == "deviation"
-    assert cli._classify(failure, third_party=False)[0] == "fail"
+    assert classify(failure, third_party=True)[0] == "deviation"
+    assert classify(failure, third_party=False)[0] == "fail"
     crash = RankFailure("1 of 2 ranks failed", {0: "tb"}, {0: KeyError("adapter bug")})
-    assert cli._classify(crash, third_party=True)[0] == "fail"
+    assert classify(crash, third_party=True)[0] == "fail"
 
 
 def test_bad_world_sizes_are_a_usage_error():
@@ -55,7 +56,7 @@ def test_dstest_errors_are_never_deviations():
     from dstest.errors import InvalidArgument
 
     failure = RankFailure("1 of 1 ranks failed", {0: "tb"}, {0: InvalidArgument("world_size=0")})
-    assert cli._classify(failure, third_party=True)[0] == "fail"
+    assert classify(failure, third_party=True)[0] == "fail"
 
 
 def test_deviation_survives_pickling():
@@ -70,3 +71,42 @@ def test_deviation_survives_pickling():
 
 def test_each_target_has_a_default_world():
     assert cli._default_world("impl") == "threaded"
+    assert cli._default_world("deepspeed") == "process"  # read from the class: DeepSpeed is not imported
+
+
+def test_the_cli_only_translates_its_flags_to_pytest():
+    args = cli.pytest_args("impl", ["threaded", "fake"], world_sizes=[1, 2], keyword="A1", timeout=30.0)
+    assert args[0] == cli.specs_path() and args[0].endswith("specs")
+    assert {"--dstest-target=impl", "--dstest-worlds=threaded,fake", "--dstest-world-sizes=1,2", "--dstest-timeout=30.0"} <= set(args)
+    assert args[args.index("-k") + 1] == "A1"
+    assert "--dstest-specs=B*" in cli.pytest_args("impl", ["threaded"], keyword="B*")  # globs keep working
+
+
+def test_glob_selects_by_contract(capsys):
+    assert cli.main(["-k", "A[13]", "--world-sizes", "2", "--list"]) == 0
+    contracts = {line.split()[0] for line in capsys.readouterr().out.splitlines()}
+    assert contracts == {"A1", "A3"}
+
+
+def _pytest_counts(pytester: pytest.Pytester, *args: str) -> dict[str, int]:
+    result = pytester.runpytest_subprocess(cli.specs_path(), "-p", "no:cacheprovider", *args)
+    return result.parseoutcomes()
+
+
+@pytest.mark.parametrize("target", ["impl", "deepspeed"])
+def test_cli_and_pytest_count_the_same(pytester: pytest.Pytester, capsys, target: str, tmp_path) -> None:
+    """One route: `dstest` and `pytest --dstest-target=...` give identical pass/fail/deviation/skip counts.
+
+    (DeepSpeed is not installed here: both routes then count its failures the same way, as failures.)
+    """
+    out = tmp_path / "r.json"
+    cli.main(["--target", target, "--world", "threaded", "-k", "A1 or A3", "--json", str(out)])
+    capsys.readouterr()
+    rows = json.loads(out.read_text())
+    mine = {s: sum(r["status"] == s for r in rows) for s in ("pass", "fail", "deviation", "skip")}
+    theirs = _pytest_counts(pytester, f"--dstest-target={target}", "--dstest-worlds=threaded", "-k", "A1 or A3")
+    assert mine["pass"] == theirs.get("passed", 0)
+    assert mine["fail"] == theirs.get("failed", 0)
+    assert mine["deviation"] == theirs.get("deviation", 0)
+    assert mine["skip"] == theirs.get("skipped", 0)
+    assert sum(mine.values()) == 6  # A1 at ws 1-3, A3 at ws 1-3
