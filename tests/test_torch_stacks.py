@@ -194,7 +194,7 @@ def test_dtensor_2d_mesh(ctx):
 
 
 # -- functional collectives, torch.distributed.nn --------------------------------------------------------
-@pytest.mark.parametrize("group_kind", ["world", "mesh", "ranks"])
+@pytest.mark.parametrize("group_kind", ["world", "mesh", "ranks", "name"])
 @dstest.spec(world_size=SIZES, worlds=WORLDS)
 def test_functional_collectives(ctx, group_kind):
     """funcol all_reduce / all_gather_tensor / reduce_scatter_tensor / all_to_all_single against the reference."""
@@ -205,6 +205,7 @@ def test_functional_collectives(ctx, group_kind):
         "world": lambda: dist.group.WORLD,
         "mesh": lambda: _cpu_mesh(w),
         "ranks": lambda: list(range(w)),
+        "name": lambda: dist.group.WORLD.group_name,  # looked up in c10d's registry by name
     }[group_kind]()
     per_rank = [_global(10 + r, 2 * w, 3) for r in range(w)]
     mine = per_rank[ctx.rank]
