@@ -46,34 +46,42 @@ def _mark(p: torch.nn.Parameter, sharded: bool) -> torch.nn.Parameter:
     return p
 
 
-class ColumnParallelLinear(torch.nn.Module):
+class _ShardedLinear(torch.nn.Module):
+    """A linear layer holding the caller's slice [lo, hi) of the full weight along ``dim`` (0: output rows,
+    1: input columns); the bias is sliced with the rows, or kept whole (replicated) for a column split."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any, dim: int) -> None:
+        """``weight``/``bias`` are the full tensors (same on every rank); the caller's slice is kept."""
+        super().__init__()
+        self.group = group
+        self.lo, self.hi = shard_range(weight.shape[dim], group)
+        self.out_features, self.in_features = weight.shape
+        self.weight = _mark(torch.nn.Parameter(weight.detach().narrow(dim, self.lo, self.hi - self.lo).clone()), True)
+        if bias is None:
+            self.bias = None
+        elif dim == 0:
+            self.bias = _mark(torch.nn.Parameter(bias.detach()[self.lo : self.hi].clone()), True)
+        else:
+            self.bias = _mark(torch.nn.Parameter(bias.detach().clone()), False)
+
+
+class ColumnParallelLinear(_ShardedLinear):
     """y_shard = x @ W[lo:hi].T + b[lo:hi]; the output stays sharded (feed a RowParallelLinear)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any) -> None:
         """``weight``/``bias`` are the full tensors (same on every rank); the caller's rows are kept."""
-        super().__init__()
-        self.group = group
-        self.lo, self.hi = shard_range(weight.shape[0], group)
-        self.out_features, self.in_features = weight.shape
-        self.weight = _mark(torch.nn.Parameter(weight.detach()[self.lo : self.hi].clone()), True)
-        self.bias = (
-            _mark(torch.nn.Parameter(bias.detach()[self.lo : self.hi].clone()), True) if bias is not None else None
-        )
+        super().__init__(weight, bias, group, dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_region(x, self.group), self.weight, self.bias)
 
 
-class RowParallelLinear(torch.nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """y = all_reduce(x_shard @ W[:, lo:hi].T) + b; the bias is replicated (counted once in the norm)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any) -> None:
-        super().__init__()
-        self.group = group
-        self.lo, self.hi = shard_range(weight.shape[1], group)
-        self.out_features, self.in_features = weight.shape
-        self.weight = _mark(torch.nn.Parameter(weight.detach()[:, self.lo : self.hi].clone()), True)
-        self.bias = _mark(torch.nn.Parameter(bias.detach().clone()), False) if bias is not None else None
+        """``weight``/``bias`` are the full tensors (same on every rank); the caller's columns are kept."""
+        super().__init__(weight, bias, group, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_region(F.linear(x, self.weight), self.group)
