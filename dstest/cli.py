@@ -94,12 +94,14 @@ def pytest_args(
     keyword: str | None = None,
     timeout: float = 120.0,
     collect_only: bool = False,
+    plugins: Sequence[str] = (),
 ) -> list[str]:
     """The pytest command line of one target's conformance run (what the CLI flags translate to).
 
     ``keyword`` is pytest's ``-k`` expression (spec names, parameter ids and SPEC contracts are keywords,
     e.g. ``A1`` or ``B4 and not fp16``); a glob (``B*``, ``*sum*``) selects by spec name or contract
-    instead (``--dstest-specs``). The run uses no ini file and no cache, wherever it is started.
+    instead (``--dstest-specs``). ``plugins`` are modules loaded with ``-p`` (e.g. one implementing
+    ``pytest_dstest_targets``). The run uses no ini file and no cache, wherever it is started.
     """
     specs = specs_path()
     args = [
@@ -112,6 +114,8 @@ def pytest_args(
         f"--dstest-worlds={','.join(worlds)}",
         f"--dstest-timeout={timeout!r}",
     ]  # fmt: skip
+    for plugin in plugins:
+        args += ["-p", plugin]
     if world_sizes:
         args.append(f"--dstest-world-sizes={','.join(str(s) for s in world_sizes)}")
     if keyword:
@@ -154,6 +158,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--junit", metavar="PATH", help="write JUnit XML")
     parser.add_argument("--fail-on-deviation", action="store_true", help="exit 1 when a third-party target deviates")
     parser.add_argument("--list", action="store_true", help="list the specs and exit")
+    parser.add_argument(
+        "-p", "--plugin", action="append", default=[], metavar="MODULE",
+        help="load this pytest plugin module in the run (repeatable), e.g. one whose pytest_dstest_targets() adds a target",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     import pytest
@@ -170,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = _run(
             pytest_args(
                 target, worlds, world_sizes=args.world_sizes, keyword=args.spec, timeout=args.timeout,
-                collect_only=args.list,
+                collect_only=args.list, plugins=args.plugin,
             ),
             report,
         )  # fmt: skip

@@ -177,11 +177,11 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 
 def _register_plugins(config: pytest.Config) -> None:
-    """Register the targets and worlds that ``dstest_targets`` / ``dstest_worlds`` implementations return."""
+    """Register the targets and worlds that ``pytest_dstest_targets`` / ``pytest_dstest_worlds`` implementations return."""
     from dstest.errors import InvalidArgument
     from dstest.registry import register_target, register_world
 
-    for hook, register in ((config.hook.dstest_targets, register_target), (config.hook.dstest_worlds, register_world)):
+    for hook, register in ((config.hook.pytest_dstest_targets, register_target), (config.hook.pytest_dstest_worlds, register_world)):
         kind = hook.name
         seen: dict[str, object] = {}
         for mapping in hook():

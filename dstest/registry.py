@@ -4,7 +4,7 @@ dstest ships two targets (``impl``, ``deepspeed``) and five worlds (``threaded``
 ``fake``, ``process``, ``nccl``). Third parties add more in any of three ways, all ending here:
 
 * a pytest plugin or ``conftest.py`` implements the hooks of :mod:`dstest.hookspecs`
-  (``dstest_targets()`` / ``dstest_worlds()`` return ``{name: factory}``); the dstest plugin registers
+  (``pytest_dstest_targets()`` / ``pytest_dstest_worlds()`` return ``{name: factory}``); the dstest plugin registers
   what they return at ``pytest_configure``;
 * a distribution declares an entry point in the group ``dstest.targets`` or ``dstest.worlds``
   (``mytarget = "mypkg.adapter:MyTarget"``), loaded on the first lookup, in every process (the process
