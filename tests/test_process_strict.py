@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import dstest
 from dstest.errors import (
     CollectiveMismatch,
     InvalidArgument,
@@ -440,3 +441,16 @@ def test_ddp_runs_on_checked_groups():
     (grads0, checked0), (grads1, checked1) = PROCESS.run(_ddp, 2, timeout=TIMEOUT)
     assert grads0 == grads1  # averaged across ranks by DDP's all_reduce
     assert checked0 >= 3 and checked1 >= 3  # its broadcast, all_gather and all_reduce all went through the check
+
+
+# -- one body under several specs (the process world finds its rank adapter by the spec's name) ----------
+
+
+def _shared_body(ctx):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == ctx.world_size
+
+
+test_shared_body_threaded = dstest.spec(world_size=[2], worlds=["threaded"])(_shared_body)
+test_shared_body_process = dstest.spec(world_size=[2], worlds=["process"])(_shared_body)

@@ -2137,6 +2137,14 @@ def _reference(fn: Callable[..., Any]) -> _FnRef:
     except AttributeError:
         obj = None
     found = spec_info(obj).fn if spec_info(obj) is not None else obj  # type: ignore[union-attr]
+    if module is not None and found is not body:
+        # One body under several specs (``x = dstest.spec(...)(body)``): its name is the undecorated body,
+        # the rank adapter lives in a spec wrapper under another module-level name.
+        for name, value in vars(module).items():
+            value_info = spec_info(value)
+            if value_info is not None and value_info.fn is body:
+                qualname, found = name, body
+                break
     if module is None or found is not body:
         raise InvalidArgument(f"fn={fn!r} is not reachable as {module_name}.{qualname}: {how}")
     path = getattr(module, "__file__", None)
