@@ -18,7 +18,7 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["main", "pytest_args"]
 
@@ -53,7 +53,7 @@ def _timeout(text: str) -> float:
         raise argparse.ArgumentTypeError(f"--timeout={text!r}: {detail}") from None
 
 
-def _name(kind: str, known: Sequence[str]) -> object:
+def _name(kind: str, known: Sequence[str]) -> Callable[[str], str]:
     """An argparse type for ``--target`` / ``--world``: a known name (built in or a plug-in's entry point).
 
     Plug-ins that pytest hooks add are known only inside the run; those names go through and the run
@@ -148,12 +148,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--world", action="append", type=_name("world", worlds_known),
         help=f"world to run in (repeatable; default: the target's own; known: {', '.join(worlds_known)})",
     )  # fmt: skip
-    parser.add_argument("--world-sizes", type=_sizes, default=None, help="override every spec's world sizes, e.g. 1,2,3")
+    parser.add_argument(
+        "--world-sizes", type=_sizes, default=None, help="override every spec's world sizes, e.g. 1,2,3"
+    )
     parser.add_argument(
         "-k", "--spec", default=None,
         help="pytest -k expression over spec names and contracts (e.g. 'A1', 'B4 and not fp16'), or a glob (e.g. 'B*')",
     )  # fmt: skip
-    parser.add_argument("--timeout", type=_timeout, default=120.0, help="seconds per world run, > 0 and <= 86400 (default 120)")
+    parser.add_argument(
+        "--timeout", type=_timeout, default=120.0, help="seconds per world run, > 0 and <= 86400 (default 120)"
+    )
     parser.add_argument("--json", metavar="PATH", help="write every result as JSON")
     parser.add_argument("--junit", metavar="PATH", help="write JUnit XML")
     parser.add_argument("--fail-on-deviation", action="store_true", help="exit 1 when a third-party target deviates")

@@ -11,6 +11,7 @@ its report and shown as ``D`` / ``DEV`` with its own summary section (see :mod:`
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -181,7 +182,10 @@ def _register_plugins(config: pytest.Config) -> None:
     from dstest.errors import InvalidArgument
     from dstest.registry import register_target, register_world
 
-    for hook, register in ((config.hook.pytest_dstest_targets, register_target), (config.hook.pytest_dstest_worlds, register_world)):
+    for hook, register in (
+        (config.hook.pytest_dstest_targets, register_target),
+        (config.hook.pytest_dstest_worlds, register_world),
+    ):
         kind = hook.name
         seen: dict[str, object] = {}
         for mapping in hook():
@@ -346,6 +350,7 @@ def pytest_collect_file(file_path: Any, parent: pytest.Collector) -> pytest.Modu
     return module
 
 
+@functools.cache
 def _specs_dir() -> str:
     """The directory of :mod:`dstest.specs`, found without importing it (it imports torch)."""
     import importlib.util

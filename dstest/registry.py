@@ -140,7 +140,7 @@ class _Kind:
         if found is None:
             raise InvalidArgument(f"{self.kind}={name!r} is unknown; allowed: {list(self.names())}")
         if isinstance(found, _LazyEntryPoint):
-            loaded = found.load()
+            loaded: Factory = found.load()
             if not callable(loaded):
                 raise InvalidArgument(
                     f"{self.kind} {name!r}: entry point {found.value!r} in group {self.group!r} loads "

@@ -116,13 +116,17 @@ def table(results: Sequence[Result]) -> str:
         label = r.spec + (f"[{r.params}]" if r.params else "")
         rows.setdefault((r.target, r.world, label, r.contract or ""), {})[r.world_size] = r
     width = max([len(k[2]) for k in rows] + [4])
-    head = f"{'target':<10} {'world':<9} {'contract':<8} {'spec':<{width}} " + " ".join(f"{'ws' + str(s):>12}" for s in sizes)
+    head = f"{'target':<10} {'world':<9} {'contract':<8} {'spec':<{width}} " + " ".join(
+        f"{'ws' + str(s):>12}" for s in sizes
+    )
     lines = [head, "-" * len(head)]
     for (target, world, label, contract), cells in rows.items():
         shown = []
         for s in sizes:
             cell = cells.get(s)
-            shown.append(f"{'':>12}" if cell is None else f"{SYMBOL[cell.status] + f' {cell.seconds * 1000:.0f}ms':>12}")
+            shown.append(
+                f"{'':>12}" if cell is None else f"{SYMBOL[cell.status] + f' {cell.seconds * 1000:.0f}ms':>12}"
+            )
         lines.append(f"{target:<10} {world:<9} {contract:<8} {label:<{width}} " + " ".join(shown))
     return "\n".join(lines)
 
@@ -207,12 +211,14 @@ class ConformanceReport:
         kept = []
         for item in items:
             info = spec_info(getattr(item, "function", None))
-            callspec = getattr(item, "callspec", None)
+            callspec: Any = getattr(item, "callspec", None)
             case = callspec.params.get(CASE_ARG) if callspec is not None else None
             if info is None or case is None:
                 continue  # only specs are conformance cases
             params = callspec.id.replace(case.id, "", 1).replace("--", "-").strip("-")
-            self.cases[item.nodeid] = _Case(item.originalname, info.contract, params, case.world, case.world_size)
+            self.cases[item.nodeid] = _Case(
+                getattr(item, "originalname", item.name), info.contract, params, case.world, case.world_size
+            )
             kept.append(item)
         # SPEC order (A1, A2, ..., D8), then name, as SPEC.md reads; pytest runs them in that order too.
         kept.sort(key=lambda it: (contract_key(self.cases[it.nodeid].contract), self.cases[it.nodeid].spec))
@@ -299,6 +305,7 @@ def summary(results: Sequence[Result], seconds: float) -> str:
     for r in results:
         if r.status in ("fail", DEVIATION):
             detail = r.detail if len(r.detail) <= 160 else r.detail[:157] + "..."
-            lines.append(f"  {SYMBOL[r.status]:<4} {r.target} {r.contract or ''} {r.spec}[{r.params}] ws{r.world_size}: {detail}")
+            lines.append(
+                f"  {SYMBOL[r.status]:<4} {r.target} {r.contract or ''} {r.spec}[{r.params}] ws{r.world_size}: {detail}"
+            )
     return "\n".join(lines)
-

@@ -214,7 +214,7 @@ def _as_worlds(worlds: object) -> tuple[str, ...] | None:
         return None
     from dstest.registry import world_names
 
-    WORLD_NAMES = world_names()  # noqa: N806 - built in and plug-ins
+    WORLD_NAMES = world_names()
     if isinstance(worlds, str | bytes) or not isinstance(worlds, Iterable):
         raise InvalidArgument(
             f"worlds={worlds!r}: give a list of world names, e.g. worlds=['threaded']; allowed: {list(WORLD_NAMES)}"
@@ -485,7 +485,9 @@ def run(
     return results
 
 
-def _bound_call(world: Any, fn: Callable[..., Any], binding: TargetBinding) -> tuple[Callable[..., Any], dict[str, Any]]:
+def _bound_call(
+    world: Any, fn: Callable[..., Any], binding: TargetBinding
+) -> tuple[Callable[..., Any], dict[str, Any]]:
     """What to hand ``world.run`` so that ``fn`` runs with ``binding`` applied on every rank.
 
     A :class:`RankCall` (``binding(ctx)``, then ``fn``), which in-process worlds simply call and

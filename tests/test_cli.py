@@ -77,7 +77,12 @@ def test_each_target_has_a_default_world():
 def test_the_cli_only_translates_its_flags_to_pytest():
     args = cli.pytest_args("impl", ["threaded", "fake"], world_sizes=[1, 2], keyword="A1", timeout=30.0)
     assert args[0] == cli.specs_path() and args[0].endswith("specs")
-    assert {"--dstest-target=impl", "--dstest-worlds=threaded,fake", "--dstest-world-sizes=1,2", "--dstest-timeout=30.0"} <= set(args)
+    assert {
+        "--dstest-target=impl",
+        "--dstest-worlds=threaded,fake",
+        "--dstest-world-sizes=1,2",
+        "--dstest-timeout=30.0",
+    } <= set(args)
     assert args[args.index("-k") + 1] == "A1"
     assert "--dstest-specs=B*" in cli.pytest_args("impl", ["threaded"], keyword="B*")  # globs keep working
 

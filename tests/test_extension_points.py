@@ -78,7 +78,13 @@ def test_an_external_target_and_world_run_the_bundled_specs(pytester: pytest.Pyt
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_conformance="from dstest.specs.optional_groups import *  # noqa: F403\n")
     result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "--dstest-target=mytarget", "--dstest-worlds=myworld", "-k", "A1 or A2 or A3 or A4", "-rA"
+        "-p",
+        "no:cacheprovider",
+        "--dstest-target=mytarget",
+        "--dstest-worlds=myworld",
+        "-k",
+        "A1 or A2 or A3 or A4",
+        "-rA",
     )
     outcomes = result.parseoutcomes()
     got = {k: outcomes.get(k, 0) for k in ("passed", "deviation", "failed")}
@@ -177,7 +183,7 @@ def test_registry_refuses_builtin_names_and_non_callables() -> None:
 
     with pytest.raises(InvalidArgument, match="'impl' is built into dstest"):
         register_target("impl", object)
-    with pytest.raises(InvalidArgument, match="factory=3 .* is not callable"):
+    with pytest.raises(InvalidArgument, match=r"factory=3 .* is not callable"):
         register_world("w3", 3)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="give a non-empty str without commas"):
         register_world("a,b", object)

@@ -20,8 +20,8 @@ from dstest.errors import InvalidArgument, InvalidSpec, InvalidWorldSize
 
 __all__ = [
     "MAX_TIMEOUT_S",
-    "RankCall",
     "TARGET_NAMES",
+    "RankCall",
     "World",
     "check_rank_function",
     "check_run_arguments",
