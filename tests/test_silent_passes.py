@@ -34,7 +34,6 @@ BREAKS = (
     "root",
     "group_order",  # ranks call collectives on two groups in different orders
 )
-THREADED_ONLY = {"raise_while_peer_spins"}  # a spinning process is stopped by its pool, not by this test
 
 
 @dataclass(frozen=True)
@@ -125,8 +124,7 @@ def test_broken_bodies_fail_on_the_threaded_world(world_size, data):
 @settings(max_examples=10, deadline=None)
 @given(data=st.data())
 def test_broken_bodies_fail_on_the_process_world(data):
-    kinds = tuple(k for k in BREAKS if k not in THREADED_ONLY)
-    _check("process", 2, data.draw(_broken(2, kinds)))
+    _check("process", 2, data.draw(_broken(2, BREAKS)))
 
 
 @pytest.mark.cpu
@@ -134,8 +132,6 @@ def test_broken_bodies_fail_on_the_process_world(data):
 @pytest.mark.parametrize("world", ["threaded", "process"])
 def test_every_break_fails(world, kind):
     """Each class at least once on each world, whatever hypothesis draws."""
-    if world == "process" and kind in THREADED_ONLY:
-        pytest.skip("a rank spinning in Python is stopped by the process world's pool at the timeout")
     _check(world, 2, Broken(steps=2, at=1, rank=0, kind=kind))
 
 
@@ -143,5 +139,4 @@ def test_every_break_fails(world, kind):
 @settings(max_examples=400, deadline=None)
 @given(data=st.data(), world_size=st.integers(2, 5), world=st.sampled_from(["threaded", "process"]))
 def test_soak_broken_bodies(data, world_size, world):
-    kinds = BREAKS if world == "threaded" else tuple(k for k in BREAKS if k not in THREADED_ONLY)
-    _check(world, world_size, data.draw(_broken(world_size, kinds)))
+    _check(world, world_size, data.draw(_broken(world_size, BREAKS)))

@@ -501,20 +501,7 @@ def _ddp_buckets(ctx, mode):
 
 
 test_ddp_buckets = pytest.mark.parametrize("mode", ["no_sync", "static_graph"])(
-    dstest.spec(world_size=SIZES, worlds=["threaded"])(_ddp_buckets)
-)
-# The process world wraps each gloo group in a Python referee group (CheckedGroup, dstest/worlds/process.py)
-# whose getBackendName() says "gloo": DDP's C++ Logger.set_construction_data_and_log then asks the group for
-# its backend of type GLOO (BackendType 1), which a Python ProcessGroup never registers. (The threaded world's
-# group names itself "dstest" and is not asked.)
-test_ddp_buckets_process = pytest.mark.xfail(
-    strict=True,
-    reason="process world: DDP() raises 'Could not find backend type 1 for Process Group with name gloo' "
-    "in Logger.set_construction_data_and_log (CheckedGroup names itself 'gloo' but registers no C++ gloo backend)",
-)(
-    pytest.mark.parametrize("mode", ["no_sync", "static_graph"])(
-        dstest.spec(world_size=SIZES, worlds=["process"])(_ddp_buckets)
-    )
+    dstest.spec(world_size=SIZES, worlds=WORLDS)(_ddp_buckets)
 )
 
 
