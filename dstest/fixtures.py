@@ -13,6 +13,10 @@ import pytest
 
 __all__ = ["dstest_run", "dstest_settings", "dstest_shards", "dstest_topologies", "dstest_world"]
 
+#: Where the plugin keeps the run's :class:`dstest.specification.Settings` (set at configure time). Here,
+#: not in the plugin, so that the plugin imports this module and not the other way round.
+SETTINGS_KEY = pytest.StashKey[Any]()
+
 #: The keywords ``dstest_run`` passes on to :func:`dstest.run`.
 _RUN_OPTIONS = frozenset({"world", "args", "kwargs", "timeout", "seed", "target"})
 
@@ -20,9 +24,7 @@ _RUN_OPTIONS = frozenset({"world", "args", "kwargs", "timeout", "seed", "target"
 @pytest.fixture
 def dstest_settings(request: pytest.FixtureRequest) -> Any:
     """The ``--dstest-*`` settings (timeout, target, seed) as a :class:`dstest.specification.Settings`."""
-    from dstest.plugin import settings
-
-    return settings(request.config)
+    return request.config.stash[SETTINGS_KEY]
 
 
 @pytest.fixture

@@ -30,7 +30,6 @@ _MARKERS = {
     "soak": "long-running hardening runs, excluded from the default suite. Provided by dstest.",
 }
 
-_settings_key = pytest.StashKey[Any]()
 _owns_pools_key = pytest.StashKey[bool]()
 _third_party_key = pytest.StashKey[bool]()
 # Sessions configured in this process and not yet unconfigured: pytester's in-process runs nest a session
@@ -226,7 +225,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "seed": (OPT_SEED, config.getoption(OPT_SEED)),
     }
     try:
-        config.stash[_settings_key] = Settings(**{key: value for key, (_, value) in values.items()})
+        config.stash[fixtures.SETTINGS_KEY] = Settings(**{key: value for key, (_, value) in values.items()})
     except InvalidArgument as exc:
         key = str(exc).partition("=")[0]
         option, value = values.get(key, (key, None))
@@ -404,7 +403,9 @@ def _contracts_as_keywords(config: pytest.Config, items: list[pytest.Item]) -> N
 
 def settings(config: pytest.Config) -> Any:
     """The run settings the options produced (used by the fixtures)."""
-    return config.stash[_settings_key]
+    from dstest.fixtures import SETTINGS_KEY
+
+    return config.stash[SETTINGS_KEY]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
