@@ -158,7 +158,8 @@ class TargetBinding:
         return env
 
     def __call__(self, ctx: Any) -> None:
-        for key, value in self.environment(ctx.device.type).items():
+        device = getattr(ctx.device, "type", str(ctx.device))  # a plug-in world may give a str
+        for key, value in self.environment(device).items():
             if os.environ.get(key) != value:
                 os.environ[key] = value
         ctx.bind_target(self.name, self._factory)

@@ -205,3 +205,15 @@ def test_world_run_knows_no_target() -> None:
 
 def _target_name(ctx: object) -> str:
     return ctx.target.name  # type: ignore[attr-defined]
+
+
+def test_target_environment_comes_from_the_target() -> None:
+    """DS_ACCELERATOR is DeepSpeed's business: its class asks for it (the process world no longer sets it)."""
+    import pickle
+
+    from dstest.specification import TargetBinding
+
+    binding = TargetBinding("deepspeed")  # DeepSpeed itself is not imported
+    assert binding.environment("cpu") == {"DS_ACCELERATOR": "cpu"} and binding.environment("cuda") == {}
+    assert TargetBinding("impl").environment("cpu") == {}
+    assert pickle.loads(pickle.dumps(binding)) == binding  # built-ins travel by name
