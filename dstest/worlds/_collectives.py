@@ -10,6 +10,10 @@ by (group, sequence number) and then:
 4. ``finish(source)`` on each rank, which copies its source into that rank's output tensors.
 
 Messages name the op, the group, the sequence number and each rank's shapes, as gloo and NCCL do not.
+
+The module is longer than most (about 600 lines) on purpose: it is one table, a small class per c10d
+collective with the same four steps, which both the threaded world's session and the process world's
+referee read; splitting it would scatter one contract over several files.
 """
 
 from __future__ import annotations
