@@ -1,0 +1,143 @@
+"""The process world: ranks are warm OS processes joined by a real backend (gloo on CPU, NCCL on GPUs).
+
+For code with process-global state (DeepSpeed caches its groups in module globals), which threads cannot
+host. A *pool* of worker processes per (backend, device, world size) has already imported torch and formed
+its process group, so a spec costs milliseconds instead of the seconds of a fresh spawn:
+
+    parent                                      worker r (one per rank, started once per pool)
+    run(fn, W) --- pickled (reference to fn, args) ---> resolve fn by module + qualname (+ file path)
+                                                        fn(RankContext(rank=r, ...)) under a fresh store prefix
+               <-- pickled result | traceback, output -- destroy the groups fn created
+
+Functions travel by reference, so they must be module-level (a ``@dstest.spec`` body, a test module's
+function, a benchmark's ``__main__`` function); arguments and results travel by pickle.
+
+Failures never leave a broken pool behind. gloo cannot abort a rank blocked in a collective, so when a
+rank fails and the others do not finish within a short grace, when a worker dies, or when the run passes
+its timeout (stacks taken with faulthandler first), the pool is killed and a replacement is started at
+once; the run raises :class:`RankFailure`, :class:`WorkerDied` or :class:`WorldTimeout` naming the ranks.
+Rendezvous goes through a ``FileStore`` in a private temporary directory (no fixed ports: ``pytest -n``
+works). No worker outlives the session: :func:`shutdown_all` runs from the plugin's ``pytest_unconfigure``
+and at interpreter exit, and an idle worker whose parent is gone exits by itself.
+
+Every collective and transfer of a gloo pool is checked across ranks before gloo runs it (see "Cross-rank
+checking" below): a mismatch of op, group, sequence number, shapes, dtypes, root or split sizes raises
+:class:`CollectiveMismatch` on every rank involved, naming both ranks and both calls; a rank that waits for
+a collective that a finished or failed rank never joined is told so; a deadlock of all running ranks is
+reported with each rank's pending call; work a run leaves unmatched or unwaited fails it with
+:class:`UnfinishedWork` and never reaches gloo, so it cannot leak into the next run. NCCL pools are not
+checked.
+
+Warm workers are capped (:func:`warm_worker_cap`: ``max_warm_workers`` in this module, else the
+``DSTEST_PROCESS_MAX_WORKERS`` environment variable, else ``DEFAULT_MAX_WARM_WORKERS``), all pools
+together; starting a pool closes the least recently used idle ones beyond the cap, and a world larger
+than the cap runs cold. A script must start the process world under ``if __name__ == "__main__":``
+(workers import it to find its functions); an unguarded call raises :class:`UnguardedMain`.
+
+Workers are forked from multiprocessing's fork server, which imports torch once (see ``_mp_context``):
+a pool of 8 starts in well under a second once that server runs, and a replaced pool costs little. Where
+there is no fork server, workers are spawned. This module imports neither torch nor the target at import
+time; a worker sets its environment (``RANK``, ``OMP_NUM_THREADS``, ...) before it touches torch.
+
+The package, one module per concern (each imports only those before it in this list):
+
+- :mod:`~dstest.worlds.process.messages`: what travels between parent and workers (pickled by reference);
+- :mod:`~dstest.worlds.process.refs`: function references, loading a module by name or path;
+- :mod:`~dstest.worlds.process.checker` and :mod:`~dstest.worlds.process.checked`: the worker side of the
+  cross-rank check (a rank's posted calls; the ``CheckedGroup`` torch sees);
+- :mod:`~dstest.worlds.process.worker`: the worker process's entry point and run loop;
+- :mod:`~dstest.worlds.process.referee`: the parent side of the cross-rank check;
+- :mod:`~dstest.worlds.process.launch`: the fork server or spawn, ports, threads per rank;
+- :mod:`~dstest.worlds.process.pool`: one pool of warm workers and its failure reports;
+- :mod:`~dstest.worlds.process.warm`: the pools of this process, the warm cap, :func:`shutdown_all`;
+- :mod:`~dstest.worlds.process.world`: :class:`ProcessWorld` and cold runs.
+
+The settings (``max_warm_workers``, ``FAILURE_GRACE``, ``POOL_START_TIMEOUT``, ...) live in the module
+that reads them; reading or setting them on this package (``dstest.worlds.process.max_warm_workers = 2``,
+``monkeypatch.setattr(process, "FAILURE_GRACE", ...)``) reads or sets them there (see ``_SETTINGS``).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+from dstest.worlds.process import checked, checker, launch, pool, warm, worker
+
+# Re-exported (``X as X``) for the tests and for code written against the single module this package
+# replaced; the public names are in ``__all__``.
+from dstest.worlds.process.messages import RemoteRankError as RemoteRankError
+from dstest.worlds.process.messages import _PoolKey as _PoolKey
+from dstest.worlds.process.warm import _POOLS as _POOLS
+from dstest.worlds.process.warm import _POOLS_LOCK as _POOLS_LOCK
+from dstest.worlds.process.warm import pool_pids, shutdown_all, warm_worker_cap
+from dstest.worlds.process.world import ProcessWorld
+from dstest.worlds.process.world import _check_not_bootstrapping as _check_not_bootstrapping
+from dstest.worlds.process.world import _under_main_guard as _under_main_guard
+
+if TYPE_CHECKING:  # served by _Package below, from the module that owns each setting
+    from dstest.worlds.process.checked import _CHECKER as _CHECKER
+    from dstest.worlds.process.pool import FAILURE_GRACE as FAILURE_GRACE
+    from dstest.worlds.process.pool import POOL_START_TIMEOUT as POOL_START_TIMEOUT
+    from dstest.worlds.process.warm import DEFAULT_MAX_WARM_WORKERS as DEFAULT_MAX_WARM_WORKERS
+    from dstest.worlds.process.warm import MAX_WARM_WORKERS_ENV as MAX_WARM_WORKERS_ENV
+    from dstest.worlds.process.warm import max_warm_workers as max_warm_workers
+
+__all__ = [
+    "DEFAULT_MAX_WARM_WORKERS",
+    "FAILURE_GRACE",
+    "MAX_WARM_WORKERS_ENV",
+    "POOL_START_TIMEOUT",
+    "ProcessWorld",
+    "max_warm_workers",
+    "pool_pids",
+    "shutdown_all",
+    "warm_worker_cap",
+]
+
+# Module-level settings and state, by the module that reads them. They are not copied here: a copy would
+# not see a later assignment, and an assignment to a copy would not take effect.
+_SETTINGS: dict[str, types.ModuleType] = {
+    "POOL_START_TIMEOUT": pool,
+    "FAILURE_GRACE": pool,
+    "_STACK_WAIT_S": pool,
+    "MAX_WARM_WORKERS_ENV": warm,
+    "max_warm_workers": warm,
+    "DEFAULT_MAX_WARM_WORKERS": warm,
+    "_ATEXIT_REGISTERED": warm,
+    "_BACKEND_TIMEOUT_S": worker,
+    "_OUTPUT_LIMIT": worker,
+    "_CHECK_DRAIN_S": checker,
+    "_CHECK_ACK_S": checker,
+    "_CHECKER": checked,
+    "_CONTEXT": launch,
+}
+
+
+class _Package(types.ModuleType):
+    """This package's module type: the names in ``_SETTINGS`` are read from, and set in, their module."""
+
+    def __getattr__(self, name: str) -> Any:
+        home = _SETTINGS.get(name)
+        if home is None:
+            raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
+        return getattr(home, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        home = _SETTINGS.get(name)
+        if home is None:
+            super().__setattr__(name, value)
+        else:
+            setattr(home, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in _SETTINGS:
+            raise AttributeError(f"{self.__name__}.{name} is a setting and cannot be deleted")
+        super().__delattr__(name)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(_SETTINGS))
+
+
+sys.modules[__name__].__class__ = _Package

@@ -1,0 +1,217 @@
+"""The worker side of the cross-rank check: a rank's posted calls, their verdicts, and the end of a run.
+
+The groups that post through it are in :mod:`dstest.worlds.process.checked`; the parent's referee is in
+:mod:`dstest.worlds.process.referee`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import pickle
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from dstest.errors import (
+    CollectiveMismatch,
+    UnfinishedWork,
+    WorldAborted,
+)
+
+# Cross-rank checking, worker side
+# ------------------------------------------------------------------------------------------------------
+#
+# gloo checks almost nothing across ranks: a shape, op, root or group-order mismatch hangs, a dtype
+# mismatch aborts the process. So in a gloo pool every process group a run uses is a ``_CheckedGroup``, a
+# Python ProcessGroup (registered as the c10d backend ``dstest_gloo``) that forwards to a real
+# ProcessGroupGloo only after the parent's referee (``_Referee``) saw every rank's side of the call and
+# found that they match. torch's TORCH_DISTRIBUTED_DEBUG=DETAIL wrapper does a similar check with a
+# monitored barrier and a fingerprint all-gather over a helper gloo group; that only tells a rank that
+# *its* call differs, needs every rank to reach the check (a skipped collective still hangs), and cannot
+# see a rank that finished. The referee sees all ranks at once: who posted what, who waits, who finished.
+#
+#   rank r                                   parent (referee, inside the run's wait loop)
+#   dist.all_reduce(t)
+#     -> post(group, seq, Call of metadata) ---> compare with the other ranks' calls of (group, seq)
+#     <- "ok" (once all posted) | error   <---- mismatch / a member finished / deadlock -> error to all
+#   listener thread: "ok" -> issue the gloo op; wait() waits for it
+#
+# A call is issued to gloo only once every rank of its group posted a matching one, so gloo never sees
+# an unmatched or mismatched call, and work that a run leaves unmatched cannot leak into the next run.
+# Issuing happens on the listener thread, in verdict order (per group: sequence order), so async calls
+# keep their meaning: they start when every rank has posted them, whether or not anyone waits yet.
+
+
+_CHECK_DRAIN_S = 10.0  # seconds a rank waits, at the end of a run, for matched work still in flight
+_CHECK_ACK_S = 30.0  # seconds a rank waits for the referee to acknowledge the end of its run
+
+
+class _Record:
+    """One posted call of this rank: its verdict, the gloo work issued for it, whether anyone waited."""
+
+    __slots__ = ("callbacks", "error", "event", "inner", "issue", "issue_error", "post_id", "waited", "what")
+
+    def __init__(self, post_id: int, what: str, issue: Callable[[], Any]) -> None:
+        self.post_id = post_id
+        self.what = what  # "all_reduce(float32[4]@cpu, op=sum) on group world (seq 3)"
+        self.issue = issue
+        self.event = threading.Event()
+        self.error: tuple[str, str] | None = None  # (kind, message) from the referee
+        self.inner: Any = None  # the gloo Work, once issued
+        self.issue_error: BaseException | None = None  # gloo refused the call when it was issued
+        self.waited = False
+        self.callbacks: list[Callable[[], None]] = []
+
+
+def _check_error(kind: str, message: str) -> BaseException:
+    if kind == "aborted":
+        return WorldAborted(message)
+    return CollectiveMismatch(message)
+
+
+class _Checker:
+    """This worker's side of the check: posts calls, receives verdicts, issues matched calls to gloo."""
+
+    def __init__(self, conn: Connection, rank: int, world_size: int) -> None:
+        self.conn = conn
+        self.rank = rank
+        self.world_size = world_size
+        self.send_lock = threading.Lock()
+        self.lock = threading.Lock()
+        self.run_id = 0  # 0: between runs, calls go straight to gloo (the pool's warm-up all_reduce)
+        self.records: dict[int, _Record] = {}
+        self.posted: list[_Record] = []
+        self.raised: list[str] = []  # mismatches raised on this rank during the run
+        self.next_id = 0
+        self.acked = threading.Event()
+        self.listener = threading.Thread(target=self._listen, name="dstest-check-listener", daemon=True)
+        self.listener.start()
+
+    @property
+    def active(self) -> bool:
+        return self.run_id != 0
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        blob = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        with self.send_lock:
+            self.conn.send_bytes(blob)
+
+    # -- runs -------------------------------------------------------------------------------------------
+    def begin(self, run_id: int) -> None:
+        with self.lock:
+            self.run_id = run_id
+            self.records.clear()
+            self.posted = []
+            self.raised = []
+            self.next_id = 0
+            self.acked.clear()
+
+    def end(self, failure: BaseException | None) -> tuple[BaseException | None, str | None]:
+        """Close this rank's run with the referee; returns (the error the run must fail with, why the
+        worker is unusable), both None when everything this rank posted was matched and waited."""
+        summary = "" if failure is None else f"{type(failure).__name__}: {failure}".splitlines()[0][:300]
+        try:
+            self._send(("done", self.run_id, failure is None, summary))
+        except (EOFError, OSError):
+            self.run_id = 0
+            return None, "the check channel to the parent is closed"
+        acked = self.acked.wait(_CHECK_ACK_S)
+        with self.lock:
+            posted = list(self.posted)
+            raised = list(self.raised)
+            self.run_id = 0  # late verdicts of this run are dropped from here on
+        unhealthy = None if acked else f"the referee did not acknowledge the end of the run within {_CHECK_ACK_S:g} s"
+        problems: list[str] = []
+        for rec in posted:
+            if not rec.event.is_set():
+                problems.append(
+                    f"{rec.what} was not matched by the other ranks it needs before the function returned, "
+                    f"and never waited (nothing of it reached gloo)"
+                )
+                continue
+            if rec.inner is not None and not rec.waited:
+                # Matched, so every rank issued it and it completes: let it finish before the next run.
+                # Never a second wait on waited work: gloo closes the pair when that one times out.
+                try:
+                    rec.inner.wait(datetime.timedelta(seconds=_CHECK_DRAIN_S))
+                except Exception as exc:
+                    unhealthy = unhealthy or f"{rec.what} did not complete at the end of the run: {exc}"
+            if not rec.waited:
+                if rec.error is not None:
+                    problems.append(f"{rec.what} failed and was never waited: {rec.error[1].splitlines()[0]}")
+                else:
+                    problems.append(f"{rec.what} was never waited (async_op=True, isend or irecv without wait())")
+        if failure is not None:
+            return None, unhealthy
+        if problems:
+            return (
+                UnfinishedWork(f"rank {self.rank} finished its function with work left behind: " + "; ".join(problems)),
+                unhealthy,
+            )
+        if raised:
+            return (
+                CollectiveMismatch(
+                    f"rank {self.rank}: a collective mismatch was raised and caught by the code under test, "
+                    f"which then finished normally; the world still fails: {raised[0]}"
+                ),
+                unhealthy,
+            )
+        return None, unhealthy
+
+    # -- posting ------------------------------------------------------------------------------------------
+    def post(self, msg: tuple[Any, ...], what: str, issue: Callable[[], Any]) -> _Record:
+        """Send one call's description (``msg`` without run and post ids) and return its record."""
+        with self.lock:
+            self.next_id += 1
+            rec = _Record(self.next_id, what, issue)
+            self.records[rec.post_id] = rec
+            self.posted.append(rec)
+            run_id = self.run_id
+        self._send((msg[0], run_id, rec.post_id, *msg[1:]))
+        return rec
+
+    def wait_verdict(self, rec: _Record) -> None:
+        rec.waited = True
+        if not rec.event.is_set():
+            with contextlib.suppress(EOFError, OSError):
+                self._send(("wait", self.run_id, rec.post_id))
+            rec.event.wait()
+        if rec.error is not None:
+            if rec.error[0] != "aborted":
+                with self.lock:
+                    self.raised.append(rec.error[1].splitlines()[0])
+            raise _check_error(*rec.error)
+        if rec.issue_error is not None:
+            raise rec.issue_error
+
+    # -- verdicts -----------------------------------------------------------------------------------------
+    def _listen(self) -> None:
+        while True:
+            try:
+                msg = pickle.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                return
+            kind, run_id = msg[0], msg[1]
+            if run_id != self.run_id:
+                continue  # a verdict of an earlier run
+            if kind == "ack":
+                self.acked.set()
+                continue
+            rec = self.records.pop(msg[2], None)
+            if rec is None:
+                continue
+            if kind == "ok":
+                try:
+                    rec.inner = rec.issue()
+                except Exception as exc:
+                    rec.issue_error = exc
+            else:
+                rec.error = (msg[3], msg[4])
+            with self.lock:
+                rec.event.set()
+                callbacks = list(rec.callbacks)
+            for cb in callbacks:
+                with contextlib.suppress(Exception):
+                    cb()

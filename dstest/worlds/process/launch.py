@@ -1,0 +1,72 @@
+"""How workers are started: multiprocessing's fork server (which has imported torch once), else spawn;
+the rendezvous port and the threads each rank gets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import socket
+from typing import Any
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _threads_per_rank(world_size: int) -> int | None:
+    """Intra-op threads per worker, as torchrun does: unless the user chose, share the cores, so that W
+    processes do not each start one OpenMP thread per core and spin against each other."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+_PRELOAD = ["__main__", "torch", "torch.distributed", "dstest.context", "dstest.specification", "dstest.worlds.process"]
+_CONTEXT: Any = None
+
+
+def _mp_context() -> Any:
+    """Where workers come from: a fork server that has imported torch once, else plain spawn.
+
+    A spawned worker imports torch itself (seconds each, and W of them share the cores); a worker forked
+    from the fork server starts in milliseconds with torch already imported, yet, like a spawned one,
+    carries none of this process's state (the server never ran a test, never touched CUDA or OpenMP).
+    """
+    global _CONTEXT
+    if _CONTEXT is None:
+        if "forkserver" in multiprocessing.get_all_start_methods():
+            ctx = multiprocessing.get_context("forkserver")
+            # Takes effect when the server starts (here, unless some other code started it already).
+            ctx.set_forkserver_preload(_PRELOAD)
+            _CONTEXT = ctx
+        else:
+            _CONTEXT = multiprocessing.get_context("spawn")
+    return _CONTEXT
+
+
+def _stop_fork_server() -> None:
+    """Stop the fork server the pools used, so that it is not orphaned when this process exits.
+
+    Killed rather than asked: asked, it finalizes torch on its way out, which takes seconds on a busy
+    machine (long enough for pytest-xdist to interrupt its worker's shutdown). It holds no state.
+    """
+    global _CONTEXT
+    if _CONTEXT is None or _CONTEXT.get_start_method() != "forkserver":
+        return
+    _CONTEXT = None
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)  # CPython's singleton; private, hence the care
+    pid = getattr(server, "_forkserver_pid", None)
+    stop = getattr(server, "_stop", None)
+    if not isinstance(pid, int) or stop is None:
+        return
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        stop()  # closes its pipe, reaps it, removes its socket

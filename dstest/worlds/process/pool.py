@@ -1,0 +1,494 @@
+"""One pool: ``world_size`` warm workers sharing one process group, serving one run at a time, and what a
+run's failure reports (tracebacks, stacks, the output of dead ranks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from dstest.errors import (
+    InvalidArgument,
+    RankFailure,
+    WorkerDied,
+    WorldAborted,
+    WorldTimeout,
+)
+from dstest.worlds.process.launch import _free_port, _mp_context, _threads_per_rank
+from dstest.worlds.process.messages import _STOP, _Command, _FnRef, _PoolKey, _Reply, _unpickle_exception, _WorkerConfig
+from dstest.worlds.process.referee import _Referee
+from dstest.worlds.process.worker import _worker_main
+
+#: Seconds a pool may take to start and form its group (a cold fork server imports torch first).
+POOL_START_TIMEOUT = 180.0
+#: After one rank fails, seconds the others get to finish before the pool counts as poisoned (they are
+#: probably blocked in a collective that the failed rank will never join) and is replaced.
+FAILURE_GRACE = 1.0
+
+
+#: Seconds to wait for faulthandler's dump after signalling a worker.
+_STACK_WAIT_S = 1.0
+
+
+# ------------------------------------------------------------------------------------------------------
+# Parent side: the pools
+# ------------------------------------------------------------------------------------------------------
+
+
+class _Worker:
+    def __init__(self, rank: int, process: Any, conn: Connection, cfg: _WorkerConfig, check: Connection) -> None:
+        self.rank = rank
+        self.process = process
+        self.conn = conn
+        self.cfg = cfg
+        self.check = check  # calls to check and verdicts (gloo pools; unused by NCCL ones)
+
+    @property
+    def pid(self) -> int:
+        return int(self.process.pid)
+
+    def describe_exit(self) -> str:
+        code = self.process.exitcode
+        if code is None:
+            return "is still running"
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                return f"was killed by {signal.Signals(-code).name}"
+            return f"was killed by signal {-code}"
+        return f"exited with code {code}"
+
+    def output_since(self, offset: int, limit: int = 8000) -> str:
+        """What this worker printed from ``offset`` of its log on (the last ``limit`` bytes of it)."""
+        try:
+            with open(self.cfg.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(offset, size - limit))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, limit: int = 4000) -> str:
+        try:
+            with open(self.cfg.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - limit))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+
+class _Pool:
+    """``world_size`` warm workers sharing one process group; serves one run at a time."""
+
+    def __init__(self, key: _PoolKey, world_name: str) -> None:
+        self.key = key
+        self.world_name = world_name
+        self.lock = threading.Lock()
+        self.workers: list[_Worker] = []
+        self.ready = False
+        self.closed = False
+        self.start_failed = False  # not worth replacing at once: the replacement would fail the same way
+        self.run_ids = itertools.count(1)
+        self.last_used = time.monotonic()
+        self.started_at = 0.0
+        self.start_seconds: float | None = None  # measured launch-to-ready time
+        self.dir = ""
+        self.launcher: threading.Thread | None = None
+        self.launch_error: BaseException | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    def start(self) -> _Pool:
+        """Launch the workers and return at once; they form the group in the background."""
+        self.dir = tempfile.mkdtemp(prefix=f"dstest-{self.key.backend}-ws{self.key.world_size}-")
+        store_path = os.path.join(self.dir, "store")
+        port = _free_port()
+        threads = _threads_per_rank(self.key.world_size)
+        # The parent's environment as it is now, as a spawned child would get it (a forkserver child
+        # would otherwise get the environment of the moment the fork server started).
+        base_env = dict(os.environ)
+        configs = []
+        for rank in range(self.key.world_size):
+            env = base_env | {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(self.key.world_size),
+                "LOCAL_WORLD_SIZE": str(self.key.world_size),
+                "MASTER_ADDR": "127.0.0.1",  # for code that reads them (DeepSpeed); rendezvous uses the store
+                "MASTER_PORT": str(port),
+            }
+            if self.key.device == "cpu":
+                env["DS_ACCELERATOR"] = "cpu"
+            if threads is not None:
+                env["OMP_NUM_THREADS"] = str(threads)
+            configs.append(
+                _WorkerConfig(
+                    key=self.key,
+                    rank=rank,
+                    world_name=self.world_name,
+                    store_path=store_path,
+                    log_path=os.path.join(self.dir, f"rank{rank}.log"),
+                    stack_path=os.path.join(self.dir, f"rank{rank}.stack"),
+                    parent_pid=os.getpid(),
+                    env=env,
+                )
+            )
+        self.started_at = time.monotonic()
+        # Launching blocks while a fresh fork server imports torch; do it off the caller's thread.
+        self.launcher = threading.Thread(target=self._launch, args=(configs,), name="dstest-pool-launch", daemon=True)
+        self.launcher.start()
+        return self
+
+    def _launch(self, configs: list[_WorkerConfig]) -> None:
+        try:
+            ctx = _mp_context()
+            for cfg in configs:
+                parent_conn, child_conn = ctx.Pipe(duplex=True)
+                parent_check, child_check = ctx.Pipe(duplex=True)  # the cross-rank check's channel
+                process = ctx.Process(
+                    target=_worker_main,
+                    args=(cfg, child_conn, child_check),
+                    name=f"dstest-{self.world_name}-rank{cfg.rank}",
+                )
+                process.start()
+                child_conn.close()
+                child_check.close()
+                self.workers.append(_Worker(cfg.rank, process, parent_conn, cfg, parent_check))
+        except BaseException as exc:  # reported by wait_ready
+            self.launch_error = exc
+
+    def _join_launcher(self) -> None:
+        if self.launcher is not None:
+            self.launcher.join(max(0.0, self.started_at + POOL_START_TIMEOUT - time.monotonic()))
+
+    def wait_ready(self) -> None:
+        if self.ready:
+            return
+        self._join_launcher()
+        if self.launch_error is not None or len(self.workers) < self.key.world_size:
+            self.start_failed = True
+            self.kill()
+            raise WorkerDied(
+                f"{self._label()}: could not launch the workers: {self.launch_error!r}"
+            ) from self.launch_error
+        deadline = self.started_at + POOL_START_TIMEOUT
+        waiting = {w.conn: w for w in self.workers}
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                stuck = sorted(w.rank for w in waiting.values())
+                self.start_failed = True
+                self.kill()
+                raise WorkerDied(
+                    f"{self._label()}: ranks {stuck} did not form the process group within "
+                    f"{POOL_START_TIMEOUT:g} s of being spawned\n" + self._logs(stuck)
+                )
+            sentinels = {w.process.sentinel: w for w in self.workers}
+            for obj in wait([*waiting, *sentinels], remaining):
+                if obj in waiting:
+                    w = waiting.pop(obj)
+                    try:
+                        w.conn.recv()
+                    except (EOFError, OSError):
+                        waiting[w.conn] = w  # it died; its sentinel reports it
+                elif obj in sentinels:
+                    w = sentinels[obj]
+                    w.process.join(0)
+                    # Described before the kill below closes the process objects.
+                    message = (
+                        f"{self._label()}: rank {w.rank} (pid {w.pid}) {w.describe_exit()} while starting "
+                        f"(importing torch and forming the {self.key.backend} group)\n" + self._logs([w.rank])
+                    )
+                    self.start_failed = True
+                    self.kill()
+                    raise WorkerDied(message)
+        self.ready = True
+        self.start_seconds = time.monotonic() - self.started_at
+
+    def stop(self) -> None:
+        """Ask every worker to exit, then make sure they have (killing what does not)."""
+        self._join_launcher()
+        for w in self.workers:
+            with contextlib.suppress(Exception):
+                w.conn.send_bytes(_STOP)
+        self._reap(grace=2.0)
+
+    def kill(self) -> None:
+        """Kill every worker at once (they may be blocked in a collective that will never complete)."""
+        self._join_launcher()
+        for w in self.workers:
+            if w.process.is_alive():
+                with contextlib.suppress(OSError):
+                    os.kill(w.pid, signal.SIGKILL)
+        self._reap(grace=5.0)
+
+    def _reap(self, grace: float) -> None:
+        self._join_launcher()
+        end = time.monotonic() + grace
+        for w in self.workers:
+            w.process.join(max(0.0, end - time.monotonic()))
+        for w in self.workers:
+            if w.process.is_alive():
+                with contextlib.suppress(OSError):
+                    os.kill(w.pid, signal.SIGKILL)
+                w.process.join(5.0)
+            with contextlib.suppress(Exception):
+                w.conn.close()
+            with contextlib.suppress(Exception):
+                w.check.close()
+            with contextlib.suppress(Exception):
+                w.process.close()
+        self.closed = True
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.workers if not self.closed]
+
+    # -- one run -------------------------------------------------------------------------------------------
+    def run(
+        self, ref: _FnRef, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float, seed: int, target: str
+    ) -> list[Any]:
+        """Run on every worker. On any failure that leaves the pool unusable, the pool is closed: the
+        caller replaces it (``self.closed`` tells)."""
+        __tracebackhide__ = True  # pytest shows the ranks' tracebacks in the message, not this frame
+        self.wait_ready()
+        run_id = next(self.run_ids)
+        try:
+            blob = pickle.dumps(
+                _Command(run_id, ref, tuple(args), kwargs, seed, target), protocol=pickle.HIGHEST_PROTOCOL
+            )
+        except Exception as exc:
+            raise InvalidArgument(
+                f"the process world sends args and kwargs to its workers by pickle; those of "
+                f"{ref.qualname} do not pickle ({type(exc).__name__}: {exc})"
+            ) from exc
+        W = self.key.world_size
+        log_starts = {w.rank: _file_size(w.cfg.log_path) for w in self.workers}
+        try:
+            replies, dead, first_failure = self._exchange(run_id, blob, timeout)
+        except BaseException:
+            self.kill()  # interrupted (Ctrl-C) mid-run: only a fresh pool is in a known state
+            raise
+        for r in sorted(replies):
+            _forward_output(r, replies[r].output)
+
+        label = self._label()
+        if dead:
+            for d in dead:
+                d.process.join(1.0)
+            others = self._collect_quietly(replies)
+            names = ", ".join(f"rank {d.rank} (pid {d.pid}) {d.describe_exit()}" for d in dead)
+            outputs = "".join(
+                f"---- output of rank {d.rank} during the run ----\n{d.output_since(log_starts[d.rank])}\n"
+                for d in dead
+            )
+            failed = {r: rep.traceback for r, rep in others.items() if not rep.ok}
+            detail = "".join(f"---- rank {r} ----\n{tb}" for r, tb in sorted(failed.items()))
+            self.kill()
+            raise WorkerDied(f"{label}: {names} while running {ref.qualname}; the pool was replaced\n{outputs}{detail}")
+        missing = [w for w in self.workers if w.rank not in replies]
+        if missing:
+            stacks = self._stacks(missing)
+            for w in missing:
+                out = w.output_since(log_starts[w.rank])
+                if out:
+                    stacks[w.rank] = stacks.get(w.rank, "(no stack)\n") + f"-- output during the run --\n{out}"
+            self.kill()
+            if first_failure is None:
+                raise WorldTimeout(
+                    f"{label} ran {ref.qualname} past its timeout of {timeout:g} s; ranks still running: "
+                    f"{[w.rank for w in missing]}; the pool was replaced\n" + _format_stacks(stacks),
+                    stacks,
+                )
+            aborted = {
+                w.rank: (
+                    f"rank {w.rank} did not finish within {FAILURE_GRACE:g} s of the failure (blocked in a "
+                    f"collective the failed rank never joined?) and was stopped; its stack:\n"
+                    + stacks.get(w.rank, "(no stack)\n")
+                )
+                for w in missing
+            }
+            raise _rank_failure(label, W, replies, aborted, pool_replaced=True)
+
+        unhealthy = {r: rep.unhealthy for r, rep in replies.items() if rep.unhealthy}
+        if unhealthy:
+            self.stop()  # the caller starts a fresh pool for the next run
+        if any(not rep.ok for rep in replies.values()):
+            raise _rank_failure(label, W, replies, {}, pool_replaced=bool(unhealthy))
+        results = []
+        for r in range(W):
+            try:
+                results.append(pickle.loads(replies[r].result or b""))
+            except Exception as exc:
+                raise RankFailure(
+                    f"{label}: the result of rank {r} could not be unpickled in the parent "
+                    f"({type(exc).__name__}: {exc})",
+                    {r: traceback.format_exc()},
+                    {r: exc},
+                ) from exc
+        self.last_used = time.monotonic()
+        return results
+
+    def _exchange(
+        self, run_id: int, blob: bytes, timeout: float
+    ) -> tuple[dict[int, _Reply], list[_Worker], float | None]:
+        """Send the run to every worker and gather replies until all came, one died, the run timed out, or
+        the others had FAILURE_GRACE seconds after a failure."""
+        deadline = time.monotonic() + timeout
+        replies: dict[int, _Reply] = {}
+        dead: list[_Worker] = []
+        first_failure: float | None = None
+        for w in self.workers:
+            try:
+                w.conn.send_bytes(blob)
+            except (EOFError, OSError):
+                dead.append(w)
+        by_conn = {w.conn: w for w in self.workers}
+        referee = None
+        checks: dict[Any, _Worker] = {}
+        if self.key.backend == "gloo":  # its workers' groups post every call to this run's referee
+            referee = _Referee(run_id, len(self.workers), [w.check for w in self.workers])
+            checks = {w.check: w for w in self.workers}
+        while len(replies) < len(self.workers) and not dead:
+            limit = deadline if first_failure is None else min(deadline, first_failure + FAILURE_GRACE)
+            remaining = limit - time.monotonic()
+            if remaining <= 0:
+                break
+            pending = [w for w in self.workers if w.rank not in replies]
+            by_sentinel = {w.process.sentinel: w for w in pending}
+            ready = wait([*(w.conn for w in pending), *checks, *by_sentinel], remaining)
+            for obj in ready:
+                checked = checks.get(obj)
+                if checked is not None and referee is not None:
+                    self._referee_messages(referee, checked)
+            for obj in ready:
+                w = by_conn.get(obj)  # type: ignore[call-overload]
+                if w is None:
+                    continue  # a sentinel or a check channel: handled elsewhere
+                try:
+                    reply: _Reply = pickle.loads(w.conn.recv_bytes())
+                except (EOFError, OSError):
+                    continue
+                if reply.run_id != run_id:
+                    continue  # cannot happen while pools are killed on interruption; never mix runs up
+                replies[w.rank] = reply
+                if not reply.ok and first_failure is None:
+                    first_failure = time.monotonic()
+            for obj in ready:
+                gone = by_sentinel.get(obj)
+                if gone is not None and gone.rank not in replies:
+                    dead.append(gone)
+        return replies, dead, first_failure
+
+    @staticmethod
+    def _referee_messages(referee: _Referee, w: _Worker) -> None:
+        """Hand the referee everything worker ``w`` has posted so far."""
+        try:
+            while w.check.poll(0):
+                referee.handle(w.rank, w.check.recv_bytes())
+        except (EOFError, OSError):
+            pass  # the worker died: its sentinel reports it
+
+    def _collect_quietly(self, replies: dict[int, _Reply]) -> dict[int, _Reply]:
+        """Replies that other ranks had already sent when one died (for the report)."""
+        out = dict(replies)
+        for w in self.workers:
+            if w.rank in out:
+                continue
+            with contextlib.suppress(Exception):
+                if w.conn.poll(0.2):
+                    out[w.rank] = pickle.loads(w.conn.recv_bytes())
+        return out
+
+    def _stacks(self, workers: list[_Worker]) -> dict[int, str]:
+        """Every listed worker's Python stacks, dumped by faulthandler on SIGUSR1."""
+        if not hasattr(signal, "SIGUSR1"):
+            return {}
+        sizes = {}
+        for w in workers:
+            sizes[w.rank] = _file_size(w.cfg.stack_path)
+            with contextlib.suppress(OSError):
+                os.kill(w.pid, signal.SIGUSR1)
+        end = time.monotonic() + _STACK_WAIT_S
+        stacks: dict[int, str] = {}
+        last: dict[int, int] = {}
+        while time.monotonic() < end and len(stacks) < len(workers):
+            time.sleep(0.05)
+            for w in workers:
+                if w.rank in stacks:
+                    continue
+                size = _file_size(w.cfg.stack_path)
+                if size > sizes[w.rank] and last.get(w.rank) == size:  # grew, then stayed put: dump done
+                    with open(w.cfg.stack_path, "rb") as f:
+                        f.seek(sizes[w.rank])
+                        stacks[w.rank] = _without_watcher(f.read().decode(errors="replace"))
+                last[w.rank] = size
+        return stacks
+
+    def _label(self) -> str:
+        return f"{self.world_name} world of {self.key.world_size} ranks ({self.key.backend})"
+
+    def _logs(self, ranks: list[int]) -> str:
+        return "".join(f"---- output of rank {r} ----\n{self.workers[r].log_tail()}\n" for r in ranks)
+
+
+def _rank_failure(
+    label: str, world_size: int, replies: dict[int, _Reply], aborted: dict[int, str], *, pool_replaced: bool
+) -> RankFailure:
+    failed = {r: rep for r, rep in replies.items() if not rep.ok}
+    exceptions: dict[int, BaseException] = {}
+    for r, rep in failed.items():
+        exceptions[r] = _unpickle_exception(rep)
+    for r, text in aborted.items():
+        exceptions[r] = WorldAborted(text.splitlines()[0])
+    # The first real error first: ranks that were only aborted because of it come after it.
+    order = sorted(failed, key=lambda r: (isinstance(exceptions[r], WorldAborted), r))
+    head = "; ".join(f"rank {r}: {type(exceptions[r]).__name__}: {exceptions[r]}".splitlines()[0] for r in order)
+    body = "\n".join(f"---- rank {r} ----\n{failed[r].traceback}" for r in order)
+    tail = "".join(f"\n---- rank {r} (stopped) ----\n{text}" for r, text in sorted(aborted.items()))
+    if pool_replaced:
+        tail += "\nthe worker pool was replaced"
+    tracebacks = {r: rep.traceback for r, rep in failed.items()} | aborted
+    return RankFailure(
+        f"{len(failed)} of {world_size} ranks failed in the {label}: {head}\n{body}{tail}",
+        dict(sorted(tracebacks.items())),
+        dict(sorted(exceptions.items())),
+    )
+
+
+def _forward_output(rank: int, text: str) -> None:
+    """What a rank printed, to this process's stdout (pytest captures it per test, as in the threaded world)."""
+    if not text:
+        return
+    lines = text.splitlines()
+    sys.stdout.write("".join(f"[rank {rank}] {line}\n" for line in lines))
+
+
+def _without_watcher(dump: str) -> str:
+    """A faulthandler dump without the worker's own parent-watch thread (noise in a report)."""
+    blocks = dump.split("\n\n")
+    return "\n\n".join(b for b in blocks if "in _watch_parent" not in b).strip() + "\n"
+
+
+def _format_stacks(stacks: dict[int, str]) -> str:
+    return "\n".join(f"---- rank {r} stack ----\n{s}" for r, s in sorted(stacks.items()))
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0

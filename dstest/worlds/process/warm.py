@@ -1,0 +1,124 @@
+"""The warm pools of this process: one per (backend, device, world size), capped in least-recently-used
+order (:func:`warm_worker_cap`), replaced when they break, and all stopped by :func:`shutdown_all`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import threading
+import time
+
+from dstest.errors import (
+    InvalidArgument,
+)
+from dstest.worlds.process.launch import _stop_fork_server
+from dstest.worlds.process.messages import _STOP, _PoolKey
+from dstest.worlds.process.pool import _Pool
+
+#: The environment variable that caps the worker processes kept warm, all pools of this process together:
+#: an integer >= 0 (0 keeps none: every world runs cold). Read at each run.
+MAX_WARM_WORKERS_ENV = "DSTEST_PROCESS_MAX_WORKERS"
+#: The same cap as a setting of this module; when not None it wins over the environment variable.
+max_warm_workers: int | None = None
+#: The cap when neither is set.
+DEFAULT_MAX_WARM_WORKERS = max(32, 4 * (os.cpu_count() or 1))
+
+
+# ------------------------------------------------------------------------------------------------------
+# The pools of this process
+# ------------------------------------------------------------------------------------------------------
+
+# The pools are process-wide on purpose: keeping workers warm across World objects and tests is the whole
+# point. They are reached only through _pool_for / shutdown_all, under _POOLS_LOCK.
+_POOLS: dict[_PoolKey, _Pool] = {}
+_POOLS_LOCK = threading.Lock()
+_COLD: set[_Pool] = set()  # pools of cold runs in progress (stopped by shutdown_all too)
+_ATEXIT_REGISTERED = False
+
+
+def _pool_for(key: _PoolKey, world_name: str) -> _Pool:
+    global _ATEXIT_REGISTERED
+    with _POOLS_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None or pool.closed:
+            _evict_for(key.world_size)
+            pool = _POOLS[key] = _Pool(key, world_name).start()
+        if not _ATEXIT_REGISTERED:
+            atexit.register(shutdown_all)
+            _ATEXIT_REGISTERED = True
+        pool.last_used = time.monotonic()
+        return pool
+
+
+def warm_worker_cap() -> int:
+    """The most worker processes kept warm across runs (all pools together).
+
+    ``max_warm_workers`` if set, else the ``DSTEST_PROCESS_MAX_WORKERS`` environment variable, else
+    ``DEFAULT_MAX_WARM_WORKERS``. Pools are kept in least-recently-used order: starting a pool closes the
+    idle pools used longest ago until the kept workers fit under the cap; a world larger than the cap
+    runs cold (its workers start for the run and stop after it).
+    """
+    value: object = max_warm_workers
+    source = "dstest.worlds.process.max_warm_workers"
+    if value is None:
+        raw = os.environ.get(MAX_WARM_WORKERS_ENV, "").strip()
+        if not raw:
+            return DEFAULT_MAX_WARM_WORKERS
+        source = f"the environment variable {MAX_WARM_WORKERS_ENV}"
+        try:
+            value = int(raw)
+        except ValueError:
+            value = raw
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgument(
+            f"{source}={value!r} must be an integer >= 0: the most worker processes the process world keeps "
+            f"warm across runs (0 keeps none)"
+        )
+    return value
+
+
+def _evict_for(extra: int) -> None:
+    """Close least recently used idle pools so that at most ``warm_worker_cap()`` workers stay warm."""
+    cap = warm_worker_cap()
+    live = sorted((p for p in _POOLS.values() if not p.closed), key=lambda p: p.last_used)
+    total = sum(p.key.world_size for p in live) + extra
+    for pool in live:
+        if total <= cap:
+            break
+        if pool.lock.acquire(blocking=False):
+            try:
+                pool.stop()
+            finally:
+                pool.lock.release()
+            total -= pool.key.world_size
+
+
+def _replace(pool: _Pool) -> None:
+    """Start a fresh pool in place of a closed one, now, so that it warms up while other tests run."""
+    with _POOLS_LOCK:
+        if _POOLS.get(pool.key) is pool and not pool.start_failed:
+            _POOLS[pool.key] = _Pool(pool.key, pool.world_name).start()
+
+
+def shutdown_all() -> None:
+    """Stop every worker of every pool of this process (the plugin calls it at session end; atexit too)."""
+    with _POOLS_LOCK:
+        pools = list(_POOLS.values()) + list(_COLD)
+        _POOLS.clear()
+        _COLD.clear()
+    for pool in pools:  # ask all at once, then wait: a pool's workers exit in parallel with the others'
+        for w in pool.workers:
+            with contextlib.suppress(Exception):
+                w.conn.send_bytes(_STOP)
+    for pool in pools:
+        if not pool.closed:
+            pool._reap(grace=2.0)
+    _stop_fork_server()
+
+
+def pool_pids() -> dict[tuple[str, int], list[int]]:
+    """The worker pids of every live pool, by (backend, world size); for tests that check no process leaks."""
+    with _POOLS_LOCK:
+        return {(k.backend, k.world_size): p.pids() for k, p in _POOLS.items() if not p.closed}

@@ -1,0 +1,294 @@
+"""The worker process: its entry point (:func:`_worker_main`, started by multiprocessing by reference, so it
+must stay importable here), the parent watch, and :class:`_Server`, which serves one run after another.
+
+torch-internal: :class:`_Server` reads and resets ``distributed_c10d._world`` (``pg_map``,
+``group_count``) and wraps the default store in a ``PrefixStore`` per run (see ``_begin_run``), so that
+the groups of one run never meet those of the next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from dstest.worlds.process.checked import _install_checking
+from dstest.worlds.process.checker import _Checker
+from dstest.worlds.process.messages import _STOP, _Command, _FnRef, _pickle_exception, _Reply, _WorkerConfig
+from dstest.worlds.process.refs import _import_module
+
+#: The backend's own collective timeout. The parent enforces the run's timeout by killing the pool, so
+#: this only has to be longer than any run; a shorter one would turn hangs into confusing backend errors.
+_BACKEND_TIMEOUT_S = 6 * 3600
+
+
+_OUTPUT_LIMIT = 1 << 20  # bytes of one rank's output forwarded per run
+
+
+def _worker_main(cfg: _WorkerConfig, conn: Connection, check_conn: Connection) -> None:
+    """Entry point of a worker process: form the group once, then serve runs until told to stop."""
+    os.environ.update(cfg.env)  # before torch is imported: OMP_NUM_THREADS, RANK, ...
+    log_fd = os.open(cfg.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    for stream in (sys.stdout, sys.stderr):  # a hung rank's last prints must reach the file
+        with contextlib.suppress(Exception):
+            stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    read_fd = os.open(cfg.log_path, os.O_RDONLY)
+
+    import faulthandler
+
+    stack_file = open(cfg.stack_path, "w")
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    threading.Thread(
+        target=_watch_parent, args=(cfg.parent_pid, os.getppid()), name="dstest-parent-watch", daemon=True
+    ).start()
+    _name_process(f"dstest-r{cfg.rank}")
+    # Ctrl-C in a terminal reaches the whole process group; the parent handles it (and kills the pool).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    if "OMP_NUM_THREADS" in cfg.env:
+        torch.set_num_threads(int(cfg.env["OMP_NUM_THREADS"]))
+    key = cfg.key
+    if key.device == "cuda":
+        device = torch.device("cuda", cfg.rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    from torch._C import _distributed_c10d as c10d_store  # where the store classes live (and are typed)
+
+    checker = None
+    if key.backend == "gloo":
+        checker = _Checker(check_conn, cfg.rank, key.world_size)
+        _install_checking(checker)
+    dist.init_process_group(
+        key.backend,
+        store=c10d_store.FileStore(cfg.store_path, key.world_size),
+        rank=cfg.rank,
+        world_size=key.world_size,
+        timeout=datetime.timedelta(seconds=_BACKEND_TIMEOUT_S),
+        device_id=device if key.device == "cuda" else None,  # NCCL: form the communicator now
+    )
+    warm = torch.ones(1, device=device)
+    dist.all_reduce(warm)  # connect and warm the backend so the first spec pays nothing
+    if key.device == "cuda":
+        torch.cuda.synchronize()
+    # Imported once here rather than by the first spec.
+    import dstest.context
+    import dstest.specification  # noqa: F401
+
+    conn.send(("ready", os.getpid()))
+    server = _Server(cfg, device, read_fd, checker)
+    while True:
+        try:
+            blob = conn.recv_bytes()
+        except (EOFError, OSError):
+            break  # the parent is gone
+        if blob == _STOP:
+            break
+        reply = server.serve(blob)
+        try:
+            conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+        except (EOFError, OSError):
+            break
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    # No teardown of the group: the parent is stopping every rank at once, and a collective shutdown
+    # could wait for ranks that are already gone. The parent removes the store's directory.
+    os._exit(0)
+
+
+def _watch_parent(parent_pid: int, launcher_pid: int) -> None:
+    """Exit when the parent is gone (killed with SIGKILL, say), even if this rank is stuck in a collective.
+
+    ``launcher_pid`` is this worker's own parent: the parent itself, or the fork server, which exits
+    with it.
+    """
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != launcher_pid:
+            os._exit(3)
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            os._exit(3)
+        except OSError:
+            pass
+
+
+def _name_process(name: str) -> None:
+    """Show workers as ``dstest-r<rank>`` in ps/top and /proc/<pid>/comm (Linux; elsewhere a no-op)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
+class _Server:
+    """One worker's state across runs: resolved functions, the world group's store, the log offsets."""
+
+    def __init__(self, cfg: _WorkerConfig, device: Any, read_fd: int, checker: _Checker | None) -> None:
+        from torch.distributed import distributed_c10d as c10d
+
+        self.cfg = cfg
+        self.checker = checker
+        self.device = device
+        self.read_fd = read_fd
+        self.functions: dict[_FnRef, Callable[..., Any]] = {}
+        self.default_pg = c10d._get_default_group()
+        self.backend_name, self.base_store = c10d._world.pg_map[self.default_pg]
+        self.group_count = c10d._world.group_count
+
+    def serve(self, blob: bytes) -> _Reply:
+        import random
+
+        import torch
+
+        from dstest.context import RankContext, rank_seed
+
+        rank = self.cfg.rank
+        start = self._log_offset()
+        ok, result, tb, exc_blob = False, None, "", None
+        run_id = -1
+        failure: BaseException | None = None
+        value: Any = None
+        checking = False
+        try:
+            cmd: _Command = pickle.loads(blob)
+            run_id = cmd.run_id
+            if self.checker is not None:
+                self.checker.begin(run_id)  # before anything can fail: the referee hears of every end
+                checking = True
+            fn = self._resolve(cmd.ref)
+            self._begin_run(run_id)
+            ctx = RankContext(
+                rank=rank,
+                world_size=self.cfg.key.world_size,
+                world=self.cfg.world_name,
+                device=self.device,
+                seed=cmd.seed,
+                target_name=cmd.target,
+            )
+            # Processes, unlike threads, own their global RNGs: seed them too, so that a spec drawing from
+            # torch.randn is as deterministic as one using ctx.generator (E5).
+            torch.manual_seed(rank_seed(cmd.seed, rank))
+            random.seed(rank_seed(cmd.seed, rank))
+            token = ctx.bind()
+            try:
+                value = fn(ctx, *cmd.args, **cmd.kwargs)
+            finally:
+                RankContext.unbind(token)
+        except BaseException as exc:  # the parent reports every rank's outcome, so catch all
+            failure = exc
+        check_unhealthy = None
+        if checking:
+            assert self.checker is not None
+            try:
+                left, check_unhealthy = self.checker.end(failure)
+            except Exception as exc:
+                left, check_unhealthy = None, f"closing the run's check failed: {type(exc).__name__}: {exc}"
+            failure = failure or left
+        if failure is None:
+            try:
+                try:
+                    result = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+                except Exception as exc:
+                    raise TypeError(
+                        f"rank {rank} returned {type(value).__name__} {value!r:.200}, which cannot be pickled "
+                        f"back to the parent ({type(exc).__name__}: {exc}); return picklable values"
+                    ) from exc
+                ok = True
+            except TypeError as exc:
+                failure = exc
+        if failure is not None:
+            tb = "".join(traceback.format_exception(failure))
+            exc_blob = _pickle_exception(failure)
+        unhealthy = self._end_run() or check_unhealthy
+        return _Reply(run_id, rank, ok, result, tb, exc_blob, self._output_since(start), unhealthy)
+
+    # -- finding the function ------------------------------------------------------------------------
+    def _resolve(self, ref: _FnRef) -> Callable[..., Any]:
+        fn = self.functions.get(ref)
+        if fn is None:
+            module = _import_module(ref)
+            obj: Any = module
+            for part in ref.qualname.split("."):
+                obj = getattr(obj, part)
+            from dstest.specification import spec_info
+
+            info = spec_info(obj)
+            fn = info.fn if info is not None else obj
+            self.functions[ref] = fn
+        return fn
+
+    # -- groups of one run -------------------------------------------------------------------------------
+    def _begin_run(self, run_id: int) -> None:
+        """Give the run fresh store keys and the group names a fresh world would have.
+
+        torch 2.13 names groups "1", "2", ... from ``_world.group_count`` and keeps their rendezvous keys
+        in the default store under that name; a second run reusing a name would read the keys of a dead
+        group. Each run therefore sees the default store under its own prefix (all ranks get the same
+        run id), and every run starts counting names where a fresh world does, so ranks stay in sync
+        even after a run in which they created different numbers of groups.
+        """
+        from torch._C import _distributed_c10d as c10d_store
+        from torch.distributed import distributed_c10d as c10d
+
+        prefixed = c10d_store.PrefixStore(f"dstest-run{run_id}/", self.base_store)
+        c10d._world.pg_map[self.default_pg] = (self.backend_name, prefixed)
+        c10d._world.group_count = self.group_count
+
+    def _end_run(self) -> str | None:
+        """Destroy the groups the run created; say why this worker is unusable, if it is."""
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        if not dist.is_initialized() or c10d._get_default_group() is not self.default_pg:
+            return "the run destroyed or replaced the default process group"
+        problem = None
+        for pg in list(c10d._world.pg_map):
+            if pg is self.default_pg:
+                continue
+            try:
+                dist.destroy_process_group(pg)
+            except Exception as exc:
+                problem = f"could not destroy a process group the run created: {type(exc).__name__}: {exc}"
+        c10d._world.pg_map[self.default_pg] = (self.backend_name, self.base_store)
+        c10d._world.group_count = self.group_count
+        return problem
+
+    # -- output --------------------------------------------------------------------------------------------
+    def _log_offset(self) -> int:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        return os.lseek(1, 0, os.SEEK_CUR)
+
+    def _output_since(self, start: int) -> str:
+        end = self._log_offset()
+        if end <= start:
+            return ""
+        size = min(end - start, _OUTPUT_LIMIT)
+        data = os.pread(self.read_fd, size, end - size)
+        skipped = end - start - size
+        text = data.decode(errors="replace")
+        return f"[... {skipped} bytes of output cut ...]\n{text}" if skipped else text

@@ -1,0 +1,208 @@
+"""The process world: :class:`ProcessWorld`, cold runs (a world larger than the warm cap), and the refusal
+to start workers from an unguarded script.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dstest.errors import (
+    UnguardedMain,
+)
+from dstest.worlds.process.messages import _FnRef, _PoolKey
+from dstest.worlds.process.pool import _Pool
+from dstest.worlds.process.refs import _reference
+from dstest.worlds.process.warm import _COLD, _POOLS_LOCK, _pool_for, _replace, warm_worker_cap
+from dstest.worlds.protocol import check_run_arguments
+
+
+def _run_cold(
+    key: _PoolKey,
+    world_name: str,
+    ref: _FnRef,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout: float,
+    seed: int,
+    target: str,
+) -> list[Any]:
+    """One run on a pool of its own that is stopped after it (a world larger than the warm cap)."""
+    __tracebackhide__ = True
+    pool = _Pool(key, world_name).start()
+    with _POOLS_LOCK:
+        _COLD.add(pool)
+    try:
+        with pool.lock:
+            return pool.run(ref, args, kwargs, timeout, seed, target)
+    finally:
+        if not pool.closed:
+            pool.stop()
+        with _POOLS_LOCK:
+            _COLD.discard(pool)
+
+
+# ------------------------------------------------------------------------------------------------------
+# The world
+# ------------------------------------------------------------------------------------------------------
+
+
+def _check_not_bootstrapping(what: str) -> None:
+    """Refuse to start workers from a script's module level while multiprocessing re-imports that script.
+
+    Workers come from a fork server (or are spawned) that imports the main script as ``__mp_main__`` so
+    that its functions can be found by name. A script that calls the process world at module level,
+    without an ``if __name__ == "__main__":`` guard, would start workers again from inside that import,
+    and multiprocessing fails obscurely (in the parent: "process object is closed"). Say so instead.
+    """
+    fix = (
+        f'Move the call (dstest.run(..., world="process") or ProcessWorld().{what}(...)) under '
+        f'`if __name__ == "__main__":` and keep the rank functions at module level'
+    )
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>":
+            name = frame.f_globals.get("__name__")
+            path = frame.f_globals.get("__file__")
+            if name == "__mp_main__":  # inside a worker's (or the fork server's) import of the script
+                raise UnguardedMain(
+                    f"the process world's {what}() was called at module level of {path} while "
+                    f"multiprocessing was importing that script in a worker process (as __mp_main__, to find "
+                    f'its functions by name): the call has no `if __name__ == "__main__":` guard, so every '
+                    f"worker would start workers of its own. {fix}"
+                )
+            if name == "__main__" and path and _main_reimported() and not _under_main_guard(path, frame.f_lineno):
+                raise UnguardedMain(
+                    f"the process world's {what}() is called at module level of {path} (line "
+                    f'{frame.f_lineno}) without an `if __name__ == "__main__":` guard: its worker processes '
+                    f"import that script to find the rank functions by name, and would run the call again, "
+                    f"each starting workers of its own. {fix}"
+                )
+        frame = frame.f_back
+
+
+def _main_reimported() -> bool:
+    """Whether multiprocessing re-imports this ``__main__`` in worker processes (as it decides it: a script
+    run by path, or ``python -m module``; never a package's ``__main__``, e.g. ``python -m dstest``)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", None)
+    return not (isinstance(name, str) and (name == "__main__" or name.endswith(".__main__")))
+
+
+def _under_main_guard(path: str, lineno: int) -> bool:
+    """Whether line ``lineno`` of the script ``path`` lies in the body of an ``if __name__ == "__main__":``
+    statement at its top level (True when the source cannot be read: then nothing is refused)."""
+    import ast
+
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return True
+    for node in tree.body:
+        if not node.lineno <= lineno <= (node.end_lineno or node.lineno):
+            continue
+        if not isinstance(node, ast.If) or not _is_main_test(node.test):
+            return False
+        return any(b.lineno <= lineno <= (b.end_lineno or b.lineno) for b in node.body)
+    return True
+
+
+def _is_main_test(test: Any) -> bool:
+    """``__name__ == "__main__"`` (either way round)."""
+    import ast
+
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s for s in sides if isinstance(s, ast.Name) and s.id == "__name__"]
+    consts = [s for s in sides if isinstance(s, ast.Constant) and s.value == "__main__"]
+    return len(names) == 1 and len(consts) == 1
+
+
+class ProcessWorld:
+    """Runs a function on every rank as warm worker processes over a real backend (gloo on CPU by default).
+
+    ``fn(ctx, *args, **kwargs)`` runs in worker ``ctx.rank`` with ``torch.distributed`` initialised
+    (``dist.get_rank() == ctx.rank``, ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` set); ``run`` returns the
+    per-rank results in rank order, or raises :class:`RankFailure` (every failing rank's traceback),
+    :class:`WorldTimeout` (every running rank's stack) or :class:`WorkerDied`. ``fn`` must be a
+    module-level function; args, kwargs and results must pickle. Groups a run creates are destroyed after
+    it; the world group, imported modules and other process state persist across runs of the same pool.
+    """
+
+    def __init__(self, *, backend: str = "gloo", device: str = "cpu", name: str = "process") -> None:
+        self.name = name
+        self.backend = backend
+        self.device = device
+
+    @property
+    def marker(self) -> str:
+        return "gpu" if self.device == "cuda" else "cpu"
+
+    def unavailable_reason(self, world_size: int) -> str | None:
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return "torch was built without torch.distributed"
+        if self.backend == "gloo" and not dist.is_gloo_available():
+            return "the process world needs gloo, which this torch build lacks"
+        if self.backend == "nccl" and not dist.is_nccl_available():
+            return "the nccl world needs NCCL, which this torch build lacks"
+        return None
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        world_size: int,
+        *,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float = 60.0,
+        seed: int = 0,
+        target: str = "impl",
+    ) -> list[Any]:
+        check_run_arguments(world_size, timeout)
+        __tracebackhide__ = True
+        _check_not_bootstrapping("run")
+        ref = _reference(fn)
+        key = _PoolKey(self.backend, self.device, world_size)
+        if world_size > warm_worker_cap():
+            return _run_cold(key, self.name, ref, tuple(args), dict(kwargs or {}), timeout, seed, target)
+        pool = _pool_for(key, self.name)
+        with pool.lock:
+            try:
+                return pool.run(ref, tuple(args), dict(kwargs or {}), timeout, seed, target)
+            finally:
+                if pool.closed:
+                    _replace(pool)
+
+    def prestart(self, world_sizes: Sequence[int]) -> None:
+        """Start the pools of these world sizes without waiting: they warm up while other work runs."""
+        _check_not_bootstrapping("prestart")
+        for ws in world_sizes:
+            if ws > warm_worker_cap():
+                continue  # runs cold
+            _pool_for(_PoolKey(self.backend, self.device, ws), self.name)
+
+    def warm(self, world_size: int) -> float:
+        """Start (if needed) and wait for the pool of ``world_size`` ranks; returns its launch-to-ready seconds."""
+        _check_not_bootstrapping("warm")
+        key = _PoolKey(self.backend, self.device, world_size)
+        if world_size > warm_worker_cap():  # nothing is kept: measure a cold start
+            cold = _Pool(key, self.name).start()
+            try:
+                cold.wait_ready()
+            finally:
+                if not cold.closed:
+                    cold.stop()
+            return cold.start_seconds or 0.0
+        pool = _pool_for(key, self.name)
+        with pool.lock:
+            try:
+                pool.wait_ready()
+            finally:
+                if pool.closed:
+                    _replace(pool)
+        return pool.start_seconds or 0.0
