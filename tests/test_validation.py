@@ -203,6 +203,8 @@ def test_known_target_names_match_the_targets_package() -> None:
         ("--dstest-worlds=fake,fake", "*--dstest-worlds='fake,fake': lists [[]'fake'[]] more than once*"),
         ("--dstest-worlds=bogus", "*--dstest-worlds='bogus': unknown world(s)*"),
         ("--dstest-mark-unmarked=tpu", "*--dstest-mark-unmarked='tpu': allowed values are 'cpu' and 'gpu'*"),
+        ("--dstest-world-sizes=0,2", "*--dstest-world-sizes='0,2': give comma-separated ints >= 1*"),
+        ("--dstest-world-sizes=2,2", "*--dstest-world-sizes='2,2': give each size once*"),
     ],
 )
 def test_bad_options_are_usage_errors(pytester: pytest.Pytester, option: str, message: str) -> None:
