@@ -478,31 +478,11 @@ def run(
     if info is not None:  # a @dstest.spec function: its adapter binds the target (and survives by-reference)
         call: Callable[..., Any] = info.fn
         kwargs = {**(kwargs or {}), TARGET_ARG: binding}
-        extra: dict[str, Any] = {}
     else:
-        call, extra = _bound_call(instance, fn, binding)
-    results = instance.run(call, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed, **extra)
+        call = RankCall(fn, binding)  # binding(ctx) on every rank, then fn
+    results = instance.run(call, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed)
     _refuse_unrun_results(results, fn, generators=False)
     return results
-
-
-def _bound_call(
-    world: Any, fn: Callable[..., Any], binding: TargetBinding
-) -> tuple[Callable[..., Any], dict[str, Any]]:
-    """What to hand ``world.run`` so that ``fn`` runs with ``binding`` applied on every rank.
-
-    A :class:`RankCall` (``binding(ctx)``, then ``fn``), which in-process worlds simply call and
-    out-of-process worlds pickle or unwrap. Transitional: a world whose ``run`` still takes the deprecated
-    ``target=`` keyword (the process world until its rewrite) ships plain functions by reference only;
-    it gets ``fn`` itself and the target's name, and applies no target environment.
-    """
-    try:
-        legacy = "target" in inspect.signature(world.run).parameters
-    except (TypeError, ValueError):
-        legacy = False
-    if legacy:
-        return fn, {"target": binding.name}
-    return RankCall(fn, binding), {}
 
 
 _FRAME_LINE = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in ', re.MULTILINE)

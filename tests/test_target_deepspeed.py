@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+import dstest
 from dstest.errors import Deviation, DstestError
 from dstest.specs import SpecNet, build, config
 from dstest.targets import TARGET_NAMES, Target, get_target
@@ -251,9 +252,7 @@ def test_collective_counter_counts_outermost_calls(
 
 
 def _process_run(fn: Any, world_size: int, **kwargs: Any) -> list[Any]:
-    from dstest.worlds import get_world
-
-    return get_world("process").run(fn, world_size, kwargs=kwargs, target="deepspeed", timeout=600)
+    return dstest.run(fn, world_size, world="process", kwargs=kwargs, target="deepspeed", timeout=600)
 
 
 @pytest.mark.soak
@@ -280,14 +279,14 @@ def test_engine_specs_pass_run_after_run(deepspeed: types.ModuleType) -> None:
 @pytest.mark.soak
 def test_a_finding_is_a_deviation_not_a_failure(deepspeed: types.ModuleType) -> None:
     """B8 at stage 3: DeepSpeed 0.19.8 rejects "sum" with ZeRO-3; the CLI reports a deviation."""
-    from dstest.cli import _classify
     from dstest.errors import RankFailure
-    from dstest.specs import zero3
+    from dstest.report import classify
+    from dstest.specs import grad_reduction
 
     with pytest.raises(RankFailure) as err:
-        _process_run(zero3.test_b8_stage3_sum_over_w_trains_like_mean, 2, optimizer="SGD")
+        _process_run(grad_reduction.test_b8_stage3_sum_over_w_trains_like_mean, 2, optimizer="SGD")
     assert "not supported with ZeRO stage 3" in str(err.value)
-    status, detail, _ = _classify(err.value, third_party=True)
+    status, detail, _ = classify(err.value, third_party=True)
     assert status == "deviation", detail
 
 

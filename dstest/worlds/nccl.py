@@ -59,11 +59,8 @@ class NcclWorld:
         kwargs: dict[str, Any] | None = None,
         timeout: float = 60.0,
         seed: int = 0,
-        target: str | None = None,
     ) -> list[Any]:
-        """``target`` is deprecated and transitional: forwarded to the process world while its ``run`` still
-        takes it (the spec layer passes it only to worlds whose ``run`` has the parameter)."""
-        check_run_arguments(world_size, timeout, fn, args=args, kwargs=kwargs, seed=seed, target=target)
+        check_run_arguments(world_size, timeout, fn, args=args, kwargs=kwargs, seed=seed)
         found = _cuda_devices()
         if found == 0:
             from dstest.errors import InvalidWorldSize
@@ -74,11 +71,5 @@ class NcclWorld:
         if found < world_size:
             from dstest.worlds.threaded import ThreadedWorld
 
-            if target is not None:  # transitional (see above): the threaded world takes no target
-                from dstest.specification import TargetBinding
-                from dstest.worlds.protocol import RankCall
-
-                fn = RankCall(fn, TargetBinding(target))
             return ThreadedWorld(device="cuda").run(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed)
-        legacy = {} if target is None else {"target": target}
-        return self._processes().run(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed, **legacy)
+        return self._processes().run(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed)

@@ -35,7 +35,7 @@ class _Command(NamedTuple):
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     seed: int
-    target: str
+    setup: Any  # a picklable setup(ctx) to run on each rank before the function (RankCall.setup), or None
 
 
 class _Reply(NamedTuple):

@@ -129,8 +129,6 @@ class _Pool:
                 "MASTER_ADDR": "127.0.0.1",  # for code that reads them (DeepSpeed); rendezvous uses the store
                 "MASTER_PORT": str(port),
             }
-            if self.key.device == "cpu":
-                env["DS_ACCELERATOR"] = "cpu"
             if threads is not None:
                 env["OMP_NUM_THREADS"] = str(threads)
             configs.append(
@@ -259,7 +257,7 @@ class _Pool:
 
     # -- one run -------------------------------------------------------------------------------------------
     def run(
-        self, ref: _FnRef, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float, seed: int, target: str
+        self, ref: _FnRef, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float, seed: int, setup: Any = None
     ) -> list[Any]:
         """Run on every worker. On any failure that leaves the pool unusable, the pool is closed: the
         caller replaces it (``self.closed`` tells)."""
@@ -268,7 +266,7 @@ class _Pool:
         run_id = next(self.run_ids)
         try:
             blob = pickle.dumps(
-                _Command(run_id, ref, tuple(args), kwargs, seed, target), protocol=pickle.HIGHEST_PROTOCOL
+                _Command(run_id, ref, tuple(args), kwargs, seed, setup), protocol=pickle.HIGHEST_PROTOCOL
             )
         except Exception as exc:
             raise InvalidArgument(

@@ -186,7 +186,6 @@ class _Server:
                 world=self.cfg.world_name,
                 device=self.device,
                 seed=cmd.seed,
-                target_name=cmd.target,
             )
             # Processes, unlike threads, own their global RNGs: seed them too, so that a spec drawing from
             # torch.randn is as deterministic as one using ctx.generator (E5).
@@ -194,6 +193,8 @@ class _Server:
             random.seed(rank_seed(cmd.seed, rank))
             token = ctx.bind()
             try:
+                if cmd.setup is not None:  # e.g. the spec layer binding the system under test (RankCall)
+                    cmd.setup(ctx)
                 value = fn(ctx, *cmd.args, **cmd.kwargs)
             finally:
                 RankContext.unbind(token)

@@ -15,7 +15,7 @@ from dstest.worlds.process.messages import _FnRef, _PoolKey
 from dstest.worlds.process.pool import _Pool
 from dstest.worlds.process.refs import _reference
 from dstest.worlds.process.warm import _COLD, _POOLS_LOCK, _pool_for, _replace, warm_worker_cap
-from dstest.worlds.protocol import check_run_arguments
+from dstest.worlds.protocol import RankCall, check_run_arguments
 
 
 def _run_cold(
@@ -26,7 +26,7 @@ def _run_cold(
     kwargs: dict[str, Any],
     timeout: float,
     seed: int,
-    target: str,
+    setup: Any,
 ) -> list[Any]:
     """One run on a pool of its own that is stopped after it (a world larger than the warm cap)."""
     __tracebackhide__ = True
@@ -35,7 +35,7 @@ def _run_cold(
         _COLD.add(pool)
     try:
         with pool.lock:
-            return pool.run(ref, args, kwargs, timeout, seed, target)
+            return pool.run(ref, args, kwargs, timeout, seed, setup)
     finally:
         if not pool.closed:
             pool.stop()
@@ -161,19 +161,21 @@ class ProcessWorld:
         kwargs: dict[str, Any] | None = None,
         timeout: float = 60.0,
         seed: int = 0,
-        target: str = "impl",
     ) -> list[Any]:
-        check_run_arguments(world_size, timeout)
+        check_run_arguments(world_size, timeout, fn, args=args, kwargs=kwargs, seed=seed)
         __tracebackhide__ = True
         _check_not_bootstrapping("run")
-        ref = _reference(fn)
+        # A RankCall (the spec layer's per-rank setup around a function) travels as the function's
+        # reference plus its pickled setup, which the worker runs before the function.
+        setup = fn.setup if isinstance(fn, RankCall) else None
+        ref = _reference(fn.fn if isinstance(fn, RankCall) else fn)
         key = _PoolKey(self.backend, self.device, world_size)
         if world_size > warm_worker_cap():
-            return _run_cold(key, self.name, ref, tuple(args), dict(kwargs or {}), timeout, seed, target)
+            return _run_cold(key, self.name, ref, tuple(args), dict(kwargs or {}), timeout, seed, setup)
         pool = _pool_for(key, self.name)
         with pool.lock:
             try:
-                return pool.run(ref, tuple(args), dict(kwargs or {}), timeout, seed, target)
+                return pool.run(ref, tuple(args), dict(kwargs or {}), timeout, seed, setup)
             finally:
                 if pool.closed:
                     _replace(pool)
