@@ -244,7 +244,25 @@ class Broadcast(Call):
         return [self.tensor]
 
 
-class AllGather(Call):
+class _IntoList(Call):
+    """Every rank's input, copied into this rank's output list (all_gather; gather on the root)."""
+
+    inp: torch.Tensor
+    outs: list[torch.Tensor]
+
+    def combine(self, calls: Sequence[Call]) -> list[Any]:
+        srcs = [c.inp.detach().clone() for c in calls]  # type: ignore[attr-defined]
+        return [srcs] * len(calls)
+
+    def finish(self, source: Any) -> None:
+        for out, src in zip(self.outs, source):
+            out.copy_(src)
+
+    def outputs(self) -> list[torch.Tensor]:
+        return self.outs
+
+
+class AllGather(_IntoList):
     """all_gather into a list; ranks may contribute different shapes (NCCL and this world accept it)."""
 
     op = "all_gather"
@@ -279,16 +297,6 @@ class AllGather(Call):
                 return f"rank {i} sends {describe_tensor(c.inp)} but output[{i}] expects shape {list(want)}"  # type: ignore[attr-defined]
         return None
 
-    def combine(self, calls: Sequence[Call]) -> list[Any]:
-        srcs = [c.inp.detach().clone() for c in calls]  # type: ignore[attr-defined]
-        return [srcs] * len(calls)
-
-    def finish(self, source: Any) -> None:
-        for out, src in zip(self.outs, source):
-            out.copy_(src)
-
-    def outputs(self) -> list[torch.Tensor]:
-        return self.outs
 
 
 class _SingleTensorCall(Call):
@@ -508,7 +516,7 @@ class AllToAllSingle(Call):
         return [self.out]
 
 
-class Gather(Call):
+class Gather(_IntoList):
     op = "gather"
 
     def __init__(
@@ -534,16 +542,6 @@ class Gather(Call):
     def key(self) -> tuple[Any, ...]:
         return (*super().key(), _sig(self.inp))
 
-    def combine(self, calls: Sequence[Call]) -> list[Any]:
-        srcs = [c.inp.detach().clone() for c in calls]  # type: ignore[attr-defined]
-        return [srcs] * len(calls)
-
-    def finish(self, source: Any) -> None:
-        for out, src in zip(self.outs, source):
-            out.copy_(src)
-
-    def outputs(self) -> list[torch.Tensor]:
-        return self.outs
 
 
 class Scatter(Call):
