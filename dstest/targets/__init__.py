@@ -4,7 +4,7 @@ dstest ships ``impl`` and ``deepspeed``; plug-ins add more (a pytest hook, an en
 ``dstest.targets`` or :func:`register_target`, see :mod:`dstest.registry`). An adapter may also define
 ``environment(device: str) -> Mapping[str, str]``: variables set in each rank's process before the spec
 body runs (DeepSpeed: ``DS_ACCELERATOR=cpu`` on CPU). Worlds know nothing of targets; the spec layer binds
-``ctx.target`` and applies the environment on every rank (:class:`dstest.specification.TargetBinding`).
+``ctx.target`` and applies the environment on every rank (:class:`dstest.binding.TargetBinding`).
 """
 
 from __future__ import annotations

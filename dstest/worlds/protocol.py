@@ -164,7 +164,7 @@ class RankCall:
     """A rank function with a per-rank setup: ``RankCall(fn, setup)(ctx, ...)`` runs ``setup(ctx)``, then ``fn``.
 
     The spec layer hands worlds one of these to bind the system under test on each rank
-    (``setup`` is a :class:`dstest.specification.TargetBinding`); a world needs to know nothing about it.
+    (``setup`` is a :class:`dstest.binding.TargetBinding`); a world needs to know nothing about it.
     In-process worlds just call it. A world that sends functions to other processes pickles it, or
     sends ``fn`` by its own reference mechanism and ``setup`` by pickle, and calls ``setup(ctx)`` on the
     rank before ``fn``. ``fn`` and ``setup`` are public attributes for that purpose.
@@ -204,7 +204,7 @@ class World(Protocol):
     (:class:`dstest.errors.WorldTimeout`). Nothing it started outlives the call.
 
     A world knows nothing of systems under test: the spec layer hands it a function that binds
-    ``ctx.target`` on the rank itself (:class:`dstest.specification.TargetBinding`). A world that runs ranks
+    ``ctx.target`` on the rank itself (:class:`dstest.binding.TargetBinding`). A world that runs ranks
     in other processes sends ``fn`` there by reference or by pickle; ``fn`` may be a picklable callable
     object, not only a module-level function. Plug-in worlds are registered through :mod:`dstest.registry`.
     """
