@@ -24,33 +24,24 @@ __all__ = ["main", "pytest_args"]
 
 
 def _sizes(text: str) -> list[int]:
+    from dstest.errors import InvalidArgument
+    from dstest.worlds.protocol import parse_world_sizes
+
     try:
-        sizes = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or any(s < 1 for s in sizes):
-        raise argparse.ArgumentTypeError(f"--world-sizes={text!r}: give comma-separated ints >= 1, e.g. 1,2,3")
-    if len(set(sizes)) != len(sizes):
-        raise argparse.ArgumentTypeError(f"--world-sizes={text!r}: give each size once, e.g. 1,2,3")
-    return sizes
+        return list(parse_world_sizes(text, "--world-sizes"))
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _timeout(text: str) -> float:
     """``--timeout``: a finite number of seconds, > 0 and at most a day (the check every run makes)."""
     from dstest.errors import InvalidArgument
-    from dstest.worlds.protocol import MAX_TIMEOUT_S, check_timeout
+    from dstest.worlds.protocol import parse_timeout
 
     try:
-        seconds = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--timeout={text!r}: give seconds per world run, > 0 and <= {MAX_TIMEOUT_S:g} (e.g. 120)"
-        ) from None
-    try:
-        return check_timeout(seconds)
+        return parse_timeout(text, "--timeout")
     except InvalidArgument as exc:
-        detail = str(exc).removeprefix(f"timeout={seconds!r}").lstrip(" :")
-        raise argparse.ArgumentTypeError(f"--timeout={text!r}: {detail}") from None
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _name(kind: str, known: Sequence[str]) -> Callable[[str], str]:

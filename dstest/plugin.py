@@ -76,31 +76,23 @@ def _check_worlds(names: tuple[str, ...] | None) -> None:
 
 
 def _parse_world_sizes(value: str) -> tuple[int, ...]:
+    from dstest.errors import InvalidArgument
+    from dstest.worlds.protocol import parse_world_sizes  # light: no torch import
+
     try:
-        sizes = tuple(int(s) for s in value.split(",") if s.strip())
-    except ValueError:
-        sizes = ()
-    if not sizes or any(s < 1 for s in sizes):
-        raise pytest.UsageError(f"{OPT_WORLD_SIZES}={value!r}: give comma-separated ints >= 1, e.g. 1,2,3")
-    if len(set(sizes)) != len(sizes):
-        raise pytest.UsageError(f"{OPT_WORLD_SIZES}={value!r}: give each size once, e.g. 1,2,3")
-    return sizes
+        return parse_world_sizes(value, OPT_WORLD_SIZES)
+    except InvalidArgument as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def _parse_timeout(value: str) -> float:
     from dstest.errors import InvalidArgument
-    from dstest.worlds.protocol import MAX_TIMEOUT_S, check_timeout  # light: no torch import
+    from dstest.worlds.protocol import parse_timeout  # light: no torch import
 
     try:
-        seconds = float(value)
-    except ValueError:
-        raise pytest.UsageError(
-            f"{OPT_TIMEOUT}={value!r}: give the per-world timeout in seconds, > 0 and <= {MAX_TIMEOUT_S:g} (e.g. 60)"
-        ) from None
-    try:
-        return check_timeout(seconds)
+        return parse_timeout(value, OPT_TIMEOUT)
     except InvalidArgument as exc:
-        raise _usage(OPT_TIMEOUT, value, exc, f"timeout={seconds!r}") from None
+        raise pytest.UsageError(str(exc)) from None
 
 
 def _parse_target(value: str) -> str:

@@ -196,7 +196,7 @@ def test_known_target_names_match_the_targets_package() -> None:
         ("--dstest-timeout=inf", "*--dstest-timeout='inf': more than the maximum of 86400 s*"),
         ("--dstest-timeout=1e12", "*--dstest-timeout='1e12': more than the maximum of 86400 s*"),
         ("--dstest-timeout=0", "*--dstest-timeout='0': must be > 0 seconds*"),
-        ("--dstest-timeout=ten", "*--dstest-timeout='ten': give the per-world timeout in seconds*"),
+        ("--dstest-timeout=ten", "*--dstest-timeout='ten': give seconds per world run*"),
         ("--dstest-target=bogus", "*--dstest-target='bogus': unknown target; allowed: impl, deepspeed*"),
         ("--dstest-seed=-1", "*--dstest-seed='-1': give an integer seed >= 0*"),
         ("--dstest-seed=1.5", "*--dstest-seed='1.5': give an integer seed >= 0*"),

@@ -30,6 +30,8 @@ __all__ = [
     "check_timeout",
     "check_world_name",
     "check_world_size",
+    "parse_timeout",
+    "parse_world_sizes",
 ]
 
 #: The longest timeout dstest accepts, in seconds (one day). A world that needs longer is a mistake, and
@@ -61,6 +63,34 @@ def check_timeout(value: object, name: str = "timeout") -> float:
     if seconds > MAX_TIMEOUT_S:
         raise InvalidArgument(f"{name}={value!r}: more than the maximum of {MAX_TIMEOUT_S:g} s (one day); {allowed}")
     return seconds
+
+
+def parse_world_sizes(text: str, option: str) -> tuple[int, ...]:
+    """A command-line list of world sizes (``"1,2,3"``): ints >= 1, each once; ``option`` is named in errors."""
+    try:
+        sizes = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or any(s < 1 for s in sizes):
+        raise InvalidArgument(f"{option}={text!r}: give comma-separated ints >= 1, e.g. 1,2,3")
+    if len(set(sizes)) != len(sizes):
+        raise InvalidArgument(f"{option}={text!r}: give each size once, e.g. 1,2,3")
+    return sizes
+
+
+def parse_timeout(text: str, option: str) -> float:
+    """A command-line timeout: seconds per world run, checked as :func:`check_timeout` checks it."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise InvalidArgument(
+            f"{option}={text!r}: give seconds per world run, > 0 and <= {MAX_TIMEOUT_S:g} (e.g. 60)"
+        ) from None
+    try:
+        return check_timeout(seconds)
+    except InvalidArgument as exc:
+        detail = str(exc).removeprefix(f"timeout={seconds!r}").lstrip(" :")
+        raise InvalidArgument(f"{option}={text!r}: {detail}") from None
 
 
 def check_world_size(value: object, name: str = "world_size") -> int:
