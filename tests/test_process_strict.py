@@ -403,7 +403,7 @@ def test_world_larger_than_the_cap_runs_cold(monkeypatch):
     pids = PROCESS.run(_pid, 2, timeout=TIMEOUT)
     assert len(set(pids)) == 2 and not set(pids) & {p for ps in warm.values() for p in ps}
     assert all(_gone(p) for p in pids)  # stopped after the run
-    assert pool_pids() == warm  # nothing new kept, nothing evicted
+    assert set(pool_pids()) == set(warm)  # nothing new kept, nothing evicted (a pool may still be starting)
 
 
 def test_starting_a_pool_evicts_the_least_recently_used_beyond_the_cap(monkeypatch):

@@ -115,6 +115,9 @@ _SETTINGS: dict[str, types.ModuleType] = {
 }
 
 
+_DEFAULTS: dict[str, Any] = {name: getattr(home, name) for name, home in _SETTINGS.items()}
+
+
 class _Package(types.ModuleType):
     """This package's module type: the names in ``_SETTINGS`` are read from, and set in, their module."""
 
@@ -132,8 +135,11 @@ class _Package(types.ModuleType):
             setattr(home, name, value)
 
     def __delattr__(self, name: str) -> None:
+        # Deleting a setting puts its import-time value back (what undoing a monkeypatch.setattr does
+        # when the name was not in this module's own __dict__).
         if name in _SETTINGS:
-            raise AttributeError(f"{self.__name__}.{name} is a setting and cannot be deleted")
+            setattr(_SETTINGS[name], name, _DEFAULTS[name])
+            return
         super().__delattr__(name)
 
     def __dir__(self) -> list[str]:
