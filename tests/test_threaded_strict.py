@@ -228,6 +228,15 @@ def test_manual_seed_then_module_construction_gives_every_rank_the_reference_wei
             assert torch.equal(got, want)
 
 
+def test_manual_seed_in_the_fake_world_while_a_warm_crew_holds_the_hooks():
+    from dstest.worlds.fake import FakeWorld
+
+    ThreadedWorld(warm=True).run(lambda ctx: None, 2)  # a crew is alive: the seed hook is installed
+    got = FakeWorld().run(lambda ctx: (torch.manual_seed(3), torch.rand(1).item())[1], 4)
+    torch.manual_seed(3)
+    assert got == [torch.rand(1).item()] * 2
+
+
 # -- issue 10: nothing passes that did not match, and no error is lost ---------------------------------
 def test_an_async_all_reduce_never_waited_fails_naming_the_rank_and_the_call():
     def body(ctx):

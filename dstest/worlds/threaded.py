@@ -153,9 +153,9 @@ def _capture_rank_for_thread() -> Callable[[], Any] | None:
 
 def _seed_hook(seed: Any) -> None:
     """``torch.manual_seed`` on a rank thread: hold the process-wide RNG for this rank (see module doc)."""
-    session = getattr(binding, "session", None)
-    if session is not None:
-        session.claim_rng(binding.rank)
+    claim = getattr(getattr(binding, "session", None), "claim_rng", None)  # the fake world's has none
+    if claim is not None:
+        claim(binding.rank)
 
 
 class ThreadedSession(Session):
