@@ -200,9 +200,9 @@ def test_refuses_threads_and_a_missing_world(deepspeed: types.ModuleType) -> Non
     with pytest.raises(DeepSpeedAdapterError, match="process world"):
         get_target("deepspeed").initialize(build(), config(1))
     # a failure of the run, never a deviation of DeepSpeed
-    from dstest.cli import _classify
+    from dstest.report import classify
 
-    assert _classify(caught[0], third_party=True)[0] == "fail"
+    assert classify(caught[0], third_party=True)[0] == "fail"
 
 
 def test_config_errors_are_not_crashes(deepspeed: types.ModuleType) -> None:
