@@ -36,6 +36,21 @@ def _failure(fn, world_size=2, world=None, **kw) -> RankFailure:
     return info.value
 
 
+# -- issue 9.1: groups behave as torch's own ----------------------------------------------------------
+def _names_and_destroy(ctx):
+    g = dist.new_group(list(range(ctx.world_size)), group_desc="dp")
+    name, desc = g.group_name, g.group_desc
+    t = torch.ones(1)
+    dist.all_reduce(t, group=g)
+    dist.destroy_process_group(g)  # a subgroup alone
+    return name, desc, t.item(), dist.get_world_size()
+
+
+def test_groups_have_names_and_a_subgroup_can_be_destroyed_alone():
+    got = ThreadedWorld(warm=True).run(_names_and_destroy, 2, timeout=TIMEOUT)
+    assert got[0] == got[1] and got[0][0] and got[0][1:] == ("dp", 2.0, 2)
+
+
 # -- issue 9.3: collective results never enter autograd ---------------------------------------------
 def _into_leaves(ctx):
     p = torch.nn.Parameter(torch.full((3,), float(ctx.rank)))
