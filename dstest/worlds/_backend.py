@@ -13,7 +13,9 @@ The threaded and the fake world share this module; they differ in the session th
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -25,7 +27,16 @@ from dstest.worlds import _collectives as C
 from dstest.worlds import _compat
 from dstest.worlds._session import Done, P2PWait, Waitable
 
-__all__ = ["BACKEND_NAME", "Group", "Work", "binding", "calling_rank", "register_backend", "translate_group"]
+__all__ = [
+    "BACKEND_NAME",
+    "Group",
+    "Work",
+    "binding",
+    "calling_rank",
+    "rank_process_group",
+    "register_backend",
+    "translate_group",
+]
 
 BACKEND_NAME = "dstest"
 binding = threading.local()  # .session and .rank of the rank running on this thread
@@ -66,10 +77,32 @@ def translate_group(pg: Any) -> Any:
     ``pg`` is not a foreign group; raises (naming both ranks) when the caller has no such group."""
     if not isinstance(pg, Group):
         return None
-    caller = calling_rank()
-    if caller is None or (caller == pg.owner and pg.session is getattr(binding, "session", None)):
-        return None
-    return pg._acting()
+    local = pg._acting()
+    return None if local is pg else local
+
+
+@contextlib.contextmanager
+def rank_process_group(
+    c10d_world: Any, session: Any, rank: int, device: torch.device, timeout: timedelta
+) -> Iterator[None]:
+    """On a rank thread: its own c10d state and default group on ``session`` for the block, both gone
+    afterwards (the threaded and the fake world start every rank thread this way)."""
+    c10d_world.bind()
+    binding.session, binding.rank = session, rank
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device.index or 0)
+        _compat.init_rank_process_group(
+            backend=BACKEND_NAME, rank=rank, world_size=session.world_size, store=session.store, timeout=timeout
+        )
+        yield
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            binding.__dict__.clear()
+            c10d_world.unbind()
 
 
 class Work(_compat.WorkBase):  # type: ignore[misc]

@@ -41,7 +41,6 @@ class Waitable:
         self.event = threading.Event()
         self.error: BaseException | None = None
         self.futures: list[torch.futures.Future[Any]] = []
-        self.consumed = False  # waited, polled complete, or handed to a future
         self._finished = False
         self._finish_lock = threading.Lock()
 
@@ -152,7 +151,6 @@ class Done(Waitable):
     def __init__(self, session: Any, rank: int, tensors: list[torch.Tensor]) -> None:
         super().__init__(session, rank, "")
         self._tensors = tensors
-        self.consumed = True
         self.event.set()
 
     def describe(self) -> str:
@@ -238,7 +236,7 @@ class Session:
         self.ranks[wait.global_rank].open[id(wait)] = wait
 
     def consume(self, wait: Waitable) -> None:
-        wait.consumed = True
+        """``wait`` was waited, polled complete or handed to a future: no longer the rank's open work."""
         if 0 <= wait.global_rank < self.world_size:
             self.ranks[wait.global_rank].open.pop(id(wait), None)
 

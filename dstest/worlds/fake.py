@@ -14,13 +14,12 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from dstest.context import RankContext
 from dstest.errors import InvalidArgument, RankFailure, WorldTimeout
 from dstest.worlds import _collectives as C
 from dstest.worlds import _compat
-from dstest.worlds._backend import BACKEND_NAME, binding, register_backend
+from dstest.worlds._backend import rank_process_group, register_backend
 from dstest.worlds._reports import format_exception
 from dstest.worlds._session import Done
 from dstest.worlds.protocol import check_run_arguments
@@ -54,7 +53,7 @@ class _FakeSession:
             raise waitable.error
 
     def consume(self, waitable: Any) -> None:
-        waitable.consumed = True
+        pass  # every call completes at once: nothing is left open
 
     def hand_out_future(self, waitable: Any, fut: Any) -> None:
         waitable._resolve(fut)
@@ -100,28 +99,18 @@ class FakeWorld:
                 box: dict[str, Any] = {}
 
                 def rank_main(rank: int = rank, box: dict[str, Any] = box) -> None:
-                    c10d_world.bind()
-                    session = _FakeSession(world_size)
-                    binding.session, binding.rank = session, rank
-                    ctx = RankContext(
-                        rank=rank, world_size=world_size, world=self.name, device=torch.device("cpu"),
-                        seed=seed,
-                    )
-                    token = ctx.bind()
+                    device = torch.device("cpu")
+                    ctx = RankContext(rank=rank, world_size=world_size, world=self.name, device=device, seed=seed)
                     try:
-                        _compat.init_rank_process_group(
-                            backend=BACKEND_NAME, rank=rank, world_size=world_size, store=session.store,
-                            timeout=timedelta(seconds=timeout),
-                        )
-                        box["result"] = fn(ctx, *args, **(kwargs or {}))
+                        session = _FakeSession(world_size)
+                        with rank_process_group(c10d_world, session, rank, device, timedelta(seconds=timeout)):
+                            token = ctx.bind()
+                            try:
+                                box["result"] = fn(ctx, *args, **(kwargs or {}))
+                            finally:
+                                RankContext.unbind(token)
                     except BaseException as exc:
                         box["error"] = exc  # formatted on the caller's thread (see _reports)
-                    finally:
-                        if dist.is_initialized():
-                            dist.destroy_process_group()
-                        RankContext.unbind(token)
-                        binding.__dict__.clear()
-                        c10d_world.unbind()
 
                 thread = threading.Thread(target=rank_main, name=f"dstest-fake-rank{rank}", daemon=True)
                 thread.start()

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from dstest.context import RankContext, current_context
 from dstest.errors import InvalidArgument, WorkAborted, WorldAborted
 from dstest.worlds import _compat
-from dstest.worlds._backend import BACKEND_NAME, binding, register_backend, translate_group
+from dstest.worlds._backend import BACKEND_NAME, binding, rank_process_group, register_backend, translate_group
 from dstest.worlds._reports import Outcome, interrupt, reap, stacks_of, stuck_threads, timeout_error
 from dstest.worlds._session import Session
 from dstest.worlds.protocol import check_run_arguments
@@ -66,29 +66,6 @@ def warm_thread_cap() -> int:
 
 
 # -- one rank thread --------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _rank_process_group(
-    c10d_world: Any, session: Session, rank: int, device: torch.device, timeout: timedelta
-) -> Iterator[None]:
-    """On a rank thread: its own c10d state and default group for the block, both gone afterwards."""
-    c10d_world.bind()
-    binding.session, binding.rank = session, rank
-    try:
-        if device.type == "cuda":
-            torch.cuda.set_device(device.index or 0)
-        _compat.init_rank_process_group(
-            backend=BACKEND_NAME, rank=rank, world_size=session.world_size, store=session.store, timeout=timeout
-        )
-        yield
-    finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        finally:
-            binding.__dict__.clear()
-            c10d_world.unbind()
-
-
 def _is_consequence(session: Session, exc: BaseException) -> bool:
     """Whether a rank failed because its world was already aborted (not an error of its own)."""
     if isinstance(exc, (WorldAborted, WorkAborted)):
@@ -298,7 +275,7 @@ class _WarmCrew:
 
     def _main(self, rank: int) -> None:
         try:
-            with _rank_process_group(self._c10d, self.session, rank, self.device, timedelta(days=1)):
+            with rank_process_group(self._c10d, self.session, rank, self.device, timedelta(days=1)):
                 self._defaults[rank] = dist.group.WORLD
                 self._phase.done(rank)
                 while (task := self._tasks[rank].get()) is not None:
@@ -349,7 +326,7 @@ class _WarmCrew:
         outcome.raise_failures(notes)
         return outcome.results
 
-    def idle(self) -> bool:
+    def usable(self) -> bool:
         return not self.retired and all(t.is_alive() for t in self.threads)
 
     def close(self, grace: float = 2.0) -> None:
@@ -378,7 +355,7 @@ class _Crews:
         evicted: list[_WarmCrew] = []
         with self.lock:
             crew = self.crews.get(key)
-            if crew is not None and not crew.idle():
+            if crew is not None and not crew.usable():
                 del self.crews[key]
                 crew = None
             if crew is None:
@@ -496,7 +473,7 @@ class ThreadedWorld:
                 return crew.run(fn, args, kwargs or {}, timeout, make_ctx)
             finally:
                 crew.busy.release()
-                if crew.retired or crew.broken or not crew.idle() or crew.session.aborted is not None:
+                if crew.retired or crew.broken or not crew.usable() or crew.session.aborted is not None:
                     _CREWS.retire(crew)
                     crew.close(grace=0.5)
         return self._run_cold(fn, world_size, args, kwargs or {}, timeout, make_ctx, device)
@@ -518,7 +495,7 @@ class ThreadedWorld:
 
             def rank_main(rank: int) -> None:
                 try:
-                    with _rank_process_group(c10d_world, session, rank, device, timedelta(seconds=timeout)):
+                    with rank_process_group(c10d_world, session, rank, device, timedelta(seconds=timeout)):
                         _call_rank(session, rank, fn, make_ctx(rank), args, kwargs, outcome)
                 except BaseException as exc:  # init failed, or an abort landed outside the body
                     outcome.fail(rank, exc, consequence=_is_consequence(session, exc))
