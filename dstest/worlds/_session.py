@@ -346,11 +346,12 @@ class Session:
         rank = waitable.global_rank
         with self.lock:
             self.consume(waitable)
-        if not waitable.event.is_set():
-            with self.lock:
+            blocked = not waitable.event.is_set()
+            if blocked:
                 self._check_alive(rank)
                 self.pending[rank] = waitable
                 self._detect_deadlock()
+        if blocked:
             waitable.event.wait()
             with self.lock:
                 self.pending.pop(rank, None)
