@@ -268,9 +268,11 @@ def _check_placement(metafunc: pytest.Metafunc, info: Any) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     """A skip inside a spec body is reported at the body's line, not inside dstest (``-rs``); a spec
     failure of a third-party target is marked as a deviation (:func:`dstest.report.classify`)."""
+    from dstest.specification import SKIP_LOCATION_ATTR  # light: no torch import
+
     report = yield
     excinfo = call.excinfo
-    location = getattr(excinfo.value, "dstest_location", None) if excinfo is not None else None
+    location = getattr(excinfo.value, SKIP_LOCATION_ATTR, None) if excinfo is not None else None
     if location is not None and report.skipped and isinstance(report.longrepr, tuple):
         path, lineno = location
         report.longrepr = (str(path), int(lineno), report.longrepr[2])
