@@ -25,6 +25,7 @@ from dstest.errors import (
     WorldAborted,
     WorldTimeout,
 )
+from dstest.worlds._reports import format_stacks
 from dstest.worlds.process.launch import _free_port, _mp_context, _threads_per_rank
 from dstest.worlds.process.messages import _STOP, _Command, _FnRef, _PoolKey, _Reply, _unpickle_exception, _WorkerConfig
 from dstest.worlds.process.referee import _Referee
@@ -308,7 +309,7 @@ class _Pool:
             if first_failure is None:
                 raise WorldTimeout(
                     f"{label} ran {ref.qualname} past its timeout of {timeout:g} s; ranks still running: "
-                    f"{[w.rank for w in missing]}; the pool was replaced\n" + _format_stacks(stacks),
+                    f"{[w.rank for w in missing]}; the pool was replaced\n" + format_stacks(stacks),
                     stacks,
                 )
             aborted = {
@@ -479,10 +480,6 @@ def _without_watcher(dump: str) -> str:
     """A faulthandler dump without the worker's own parent-watch thread (noise in a report)."""
     blocks = dump.split("\n\n")
     return "\n\n".join(b for b in blocks if "in _watch_parent" not in b).strip() + "\n"
-
-
-def _format_stacks(stacks: dict[int, str]) -> str:
-    return "\n".join(f"---- rank {r} stack ----\n{s}" for r, s in sorted(stacks.items()))
 
 
 def _file_size(path: str) -> int:
