@@ -1,4 +1,4 @@
-"""The process world is as strict as the threaded one (issue 10): every gloo call is checked across ranks.
+"""The process world is as strict as the threaded one (SPEC E10, E11 for the cap; issue 10): every gloo call is checked across ranks.
 
 Each test runs a small broken program on the warm gloo pool of 2 ranks and asserts the error's type, on
 which ranks it was raised and what it names; never how long it took (timings live in
@@ -452,5 +452,5 @@ def _shared_body(ctx):
     assert t.item() == ctx.world_size
 
 
-test_shared_body_threaded = dstest.spec(world_size=[2], worlds=["threaded"])(_shared_body)
-test_shared_body_process = dstest.spec(world_size=[2], worlds=["process"])(_shared_body)
+test_shared_body_threaded = dstest.spec(world_size=[2], worlds=["threaded"], contract="E10")(_shared_body)
+test_shared_body_process = dstest.spec(world_size=[2], worlds=["process"], contract="E10")(_shared_body)

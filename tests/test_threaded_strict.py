@@ -1,5 +1,6 @@
 """The threaded world behaves like a world of processes where torch's stacks rely on it, and passes nothing
-that did not run, did not match or lost its error (issue 9 items 3-7, issue 10 for the threaded world).
+that did not run, did not match or lost its error (SPEC E3-E12 on the threaded world; issue 9 items 3-7,
+issue 10). Each section names the contracts it checks.
 
 Every desync test asserts the error and that the world's timeout was *not* what ended it.
 """
@@ -36,7 +37,7 @@ def _failure(fn, world_size=2, world=None, **kw) -> RankFailure:
     return info.value
 
 
-# -- issue 9.1: groups behave as torch's own ----------------------------------------------------------
+# -- E6 (issue 9.1): groups behave as torch's own ----------------------------------------------------------
 def _names_and_destroy(ctx):
     g = dist.new_group(list(range(ctx.world_size)), group_desc="dp")
     name, desc = g.group_name, g.group_desc
@@ -51,7 +52,7 @@ def test_groups_have_names_and_a_subgroup_can_be_destroyed_alone():
     assert got[0] == got[1] and got[0][0] and got[0][1:] == ("dp", 2.0, 2)
 
 
-# -- issue 9.3: collective results never enter autograd ---------------------------------------------
+# -- E7 (issue 9.3): collective results never enter autograd ---------------------------------------------
 def _into_leaves(ctx):
     p = torch.nn.Parameter(torch.full((3,), float(ctx.rank)))
     dist.broadcast(p, src=0)  # gloo: allowed, the parameter gets rank 0's values
@@ -89,7 +90,7 @@ def test_a_loss_all_reduced_before_backward_gets_glooss_gradient():
     assert threaded[1][1] == [1.0, 2.0, 3.0]
 
 
-# -- issue 9.4: every wait path is seen --------------------------------------------------------------
+# -- E8 (issue 9.4): every wait path is seen --------------------------------------------------------------
 def _ddp_one_extra_step(ctx):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -155,7 +156,7 @@ def test_a_future_never_receives_a_base_exception_and_the_first_error_leads_the_
     assert not {n for n in after - before if n.startswith("dstest-")}
 
 
-# -- issue 9.5: threads inside a rank, groups crossing ranks -------------------------------------------
+# -- E12 (issue 9.5): threads inside a rank, groups crossing ranks -------------------------------------------
 def _helper_thread_acts_as_its_rank(ctx):
     seen = {}
 
@@ -213,7 +214,7 @@ def test_a_group_of_another_rank_raises_naming_both_ranks_and_the_next_run_is_un
     assert ThreadedWorld(warm=True).run(lambda ctx: dist.get_world_size(), 2) == [2, 2]
 
 
-# -- issue 9.6: every world start restores the switches it needs ---------------------------------------
+# -- E4, E6 (issue 9.6): every world start restores the switches it needs ---------------------------------------
 def test_worlds_work_after_torchs_own_threaded_helpers_switched_isolation_off():
     warm = ThreadedWorld(warm=True)
     assert warm.run(lambda ctx: dist.get_world_size(), 2) == [2, 2]  # a crew is alive and installed
@@ -227,7 +228,7 @@ def test_worlds_work_after_torchs_own_threaded_helpers_switched_isolation_off():
     assert ThreadedWorld().run(subgroups, 2) == [2, 2]
 
 
-# -- issue 9.7: a shared seed gives every rank the same weights ---------------------------------------
+# -- E5 (issue 9.7): a shared seed gives every rank the same weights ---------------------------------------
 def _seeded_model(ctx):
     torch.manual_seed(1234)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
@@ -252,7 +253,7 @@ def test_manual_seed_in_the_fake_world_while_a_warm_crew_holds_the_hooks():
     assert got == [torch.rand(1).item()] * 2
 
 
-# -- issue 10: nothing passes that did not match, and no error is lost ---------------------------------
+# -- E3, E4, E9, E11 (issue 10): nothing passes that did not match, no error is lost, resources bounded ---------------------------------
 def test_an_async_all_reduce_never_waited_fails_naming_the_rank_and_the_call():
     def body(ctx):
         dist.all_reduce(torch.ones(2), async_op=True)  # matched by every rank, never waited

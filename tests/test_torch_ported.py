@@ -1,4 +1,4 @@
-"""A sample of torch's own threaded-group tests, rewritten as dstest specs (issue 9, item 8).
+"""A sample of torch's own threaded-group tests, rewritten as dstest specs (SPEC E6; issue 9, item 8).
 
 torch runs these bodies on its private threaded process group (``MultiThreadedTestCase``,
 ``spawn_threads_and_init_comms``, ``FSDPTestMultiThread``, ``DTensorOpTestBase``), most at one world size
@@ -28,7 +28,7 @@ WORLDS = ["threaded", "process"]
 
 
 # torch: test/distributed/test_multi_threaded_pg.py, TestCollectivesWithBaseClass.test_all_to_all (W=4 there).
-@dstest.spec(world_size=[2, 3, 4], worlds=WORLDS)
+@dstest.spec(world_size=[2, 3, 4], worlds=WORLDS, contract="E6")
 def test_all_to_all_list(ctx):
     """Rank r sends block r*W + j to rank j; rank r receives blocks j*W + r, for j in order."""
     w, r = ctx.world_size, ctx.rank
@@ -41,7 +41,7 @@ def test_all_to_all_list(ctx):
 
 # torch: test/distributed/test_multi_threaded_pg.py, TestCollectivesWithBaseClass.test_all_reduce_ops.
 # (torch's threaded group at first implemented SUM only; its test then expected MAX to raise.)
-@dstest.spec(world_size=[2, 3, 4], worlds=WORLDS)
+@dstest.spec(world_size=[2, 3, 4], worlds=WORLDS, contract="E6")
 def test_all_reduce_every_op(ctx):
     """Each rank contributes rank + 1; every reduce op gives the fold of 1..W under that op."""
     values = range(1, ctx.world_size + 1)
@@ -61,7 +61,7 @@ def test_all_reduce_every_op(ctx):
 
 
 # torch: test/distributed/test_multi_threaded_pg.py, TestCollectivesWithBaseClass.test_subpg.
-@dstest.spec(world_size=[4], worlds=WORLDS)
+@dstest.spec(world_size=[4], worlds=WORLDS, contract="E6")
 def test_disjoint_subgroups_reduce_concurrently(ctx):
     """Two disjoint pairs all-reduce at the same time, each over its own members only."""
     low, high = dist.new_group([0, 1]), dist.new_group([2, 3])
@@ -72,7 +72,7 @@ def test_disjoint_subgroups_reduce_concurrently(ctx):
 
 # torch: test/distributed/test_multi_threaded_pg.py, TestCollectivesWithBaseClass.test_using_pg_from_another_thread
 # (torch's test only checks that the call returns; here the result is checked too).
-@dstest.spec(world_size=[2, 3, 4], worlds=WORLDS)
+@dstest.spec(world_size=[2, 3, 4], worlds=WORLDS, contract="E6")
 def test_world_group_from_a_helper_thread(ctx):
     """A thread that the rank starts all-reduces a requires-grad tensor over the world group, as that rank."""
     out: list[torch.Tensor] = []
@@ -128,7 +128,7 @@ class _MLP(nn.Module):
 
 # torch: test/distributed/_composable/fsdp/test_fully_shard_init.py,
 # TestFullyShardShardedParameterTensor.test_shard_tensor_parameters (FSDPTestMultiThread, W=2, GPU-only there).
-@dstest.spec(world_size=[2, 3, 4], worlds=WORLDS)
+@dstest.spec(world_size=[2, 3, 4], worlds=WORLDS, contract="E6")
 def test_fsdp2_shards_parameters_as_torch_chunk(ctx):
     """After fully_shard every parameter is a Shard(0) DTensor with the original size and stride whose local
     tensor is torch.chunk's piece for this rank (empty where W exceeds the rows); also with a shared module."""
@@ -157,7 +157,7 @@ def test_fsdp2_shards_parameters_as_torch_chunk(ctx):
 
 # torch: test/distributed/_composable/fsdp/test_fully_shard_init.py, TestFullyShardLazyInit.test_fully_shard_is_root
 # and test_fully_shard_module_and_param_fqns (FSDPTestMultiThread, W=2 there). Uses FSDP2's private state API.
-@dstest.spec(world_size=[2, 3], worlds=WORLDS)
+@dstest.spec(world_size=[2, 3], worlds=WORLDS, contract="E6")
 def test_fsdp2_lazy_init_root_and_fqns(ctx):
     """Sharding two submodules and then the root: after lazy init only the root is root, the root's group
     holds the parameters of the unsharded child, and each child's group its own, by fully qualified name."""
@@ -185,7 +185,7 @@ def test_fsdp2_lazy_init_root_and_fqns(ctx):
 
 
 # torch: test/distributed/tensor/test_pointwise_ops.py, DistElementwiseOpsTest.test_activations (DTensorOpTestBase).
-@dstest.spec(world_size=[2, 3, 4], worlds=WORLDS)
+@dstest.spec(world_size=[2, 3, 4], worlds=WORLDS, contract="E6")
 def test_dtensor_activations_match_local(ctx):
     """gelu / relu / sigmoid on Shard(0), Shard(1) and Replicate DTensors, forward and backward, against the
     same op on the full tensor."""
@@ -215,7 +215,7 @@ def test_dtensor_activations_match_local(ctx):
 
 
 # torch: test/distributed/tensor/test_pointwise_ops.py, DistElementwiseOpsTest.test_mul_out (DTensorOpTestBase).
-@dstest.spec(world_size=[2, 3, 4], worlds=WORLDS)
+@dstest.spec(world_size=[2, 3, 4], worlds=WORLDS, contract="E6")
 def test_dtensor_mul_out(ctx):
     """torch.mul(a, b, out=c) on Shard(0) DTensors writes each rank's local product into c's local tensor."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -1,4 +1,4 @@
-"""torch's own stacks on dstest's CPU worlds (issue 9, items 2 and 8).
+"""torch's own stacks on dstest's CPU worlds (SPEC E6; issue 9, items 2 and 8).
 
 Each spec is what a user of DeviceMesh, DTensor, functional collectives, FSDP2, tensor parallel, DDP,
 FSDP1, DCP, pipelining or the object collectives would write: run the distributed code on every rank and
@@ -65,7 +65,7 @@ def _cpu_mesh(*shape: int, names: tuple[str, ...] | None = None):
 
 
 # -- DeviceMesh --------------------------------------------------------------------------------------------
-@dstest.spec(world_size=SIZES, worlds=WORLDS)
+@dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")
 def test_device_mesh_1d(ctx):
     """A 1-D mesh: its group is the world; a collective over it gives the reference sum."""
     mesh = _cpu_mesh(ctx.world_size, names=("dp",))
@@ -79,7 +79,7 @@ def test_device_mesh_1d(ctx):
     assert mesh["dp"].get_group() is not None
 
 
-@dstest.spec(world_size=[4], worlds=WORLDS)
+@dstest.spec(world_size=[4], worlds=WORLDS, contract="E6")
 def test_device_mesh_2d_submesh_and_flatten(ctx):
     """A (2, 2) mesh: dp and tp submesh groups hold the expected ranks; the flattened dp_tp group is the world."""
     mesh = _cpu_mesh(2, 2, names=("dp", "tp"))
@@ -105,7 +105,7 @@ def test_device_mesh_2d_submesh_and_flatten(ctx):
 
 # -- DTensor -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("rows", [8, 7])  # 7 rows: uneven at every W in SIZES; 8: uneven at W=3 only
-@dstest.spec(world_size=SIZES, worlds=WORLDS)
+@dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")
 def test_dtensor_distribute_and_full_tensor(ctx, rows):
     """distribute_tensor with Shard(0), Shard(1) and Replicate; local shards are torch.chunk's; full_tensor round-trips."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -125,7 +125,7 @@ def test_dtensor_distribute_and_full_tensor(ctx, rows):
 
 
 @pytest.mark.parametrize("rows", [12, 7])
-@dstest.spec(world_size=SIZES, worlds=WORLDS)
+@dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")
 def test_dtensor_redistribute(ctx, rows):
     """redistribute among Shard(0), Shard(1), Replicate and Partial; every result's full tensor is the reference."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -150,7 +150,7 @@ def test_dtensor_redistribute(ctx, rows):
     _close(avg.to_local(), want / ctx.world_size)
 
 
-@dstest.spec(world_size=SIZES, worlds=WORLDS)
+@dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")
 def test_dtensor_matmul_forward_backward(ctx):
     """Row-sharded x times column-sharded w, forward and backward, equals the single-process matmul."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -169,7 +169,7 @@ def test_dtensor_matmul_forward_backward(ctx):
         _close(w.grad.full_tensor(), ref_w.grad, rtol=1e-5, atol=1e-5)
 
 
-@dstest.spec(world_size=[4], worlds=WORLDS)
+@dstest.spec(world_size=[4], worlds=WORLDS, contract="E6")
 def test_dtensor_2d_mesh(ctx):
     """On a (2, 2) mesh: [Shard(0), Shard(1)] holds the expected blocks; redistribute and matmul match the reference."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -195,7 +195,7 @@ def test_dtensor_2d_mesh(ctx):
 
 # -- functional collectives, torch.distributed.nn --------------------------------------------------------
 @pytest.mark.parametrize("group_kind", ["world", "mesh", "ranks", "name"])
-@dstest.spec(world_size=SIZES, worlds=WORLDS)
+@dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")
 def test_functional_collectives(ctx, group_kind):
     """funcol all_reduce / all_gather_tensor / reduce_scatter_tensor / all_to_all_single against the reference."""
     import torch.distributed._functional_collectives as funcol
@@ -227,7 +227,7 @@ def test_functional_collectives(ctx, group_kind):
     _close(funcol.all_reduce(mine, "sum", group) * 1, total)
 
 
-@dstest.spec(world_size=SIZES, worlds=WORLDS)
+@dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")
 def test_functional_collectives_autograd(ctx):
     """The autograd variants' backward is the adjoint collective, as in a single-process reference."""
     import torch.distributed._functional_collectives as funcol
@@ -261,7 +261,7 @@ def test_functional_collectives_autograd(ctx):
     _close(xa.grad, want)
 
 
-@dstest.spec(world_size=SIZES, worlds=WORLDS)
+@dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")
 def test_distributed_nn_functional_all_reduce_backward(ctx):
     """torch.distributed.nn.functional.all_reduce: value is the sum, backward all-reduces the gradient."""
     import torch.distributed.nn.functional as dnn
@@ -308,7 +308,7 @@ def _reference_train(model: nn.Module, opt_kind: str, batches) -> nn.Module:
 
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
 @pytest.mark.parametrize("opt_kind", ["sgd", "adamw"])
-@dstest.spec(world_size=SIZES, worlds=WORLDS)
+@dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")
 def test_fsdp2_fully_shard_matches_single_process(ctx, opt_kind, reshard):
     """FSDP2 over a 1-D mesh, per-layer and root fully_shard, 3 steps: parameters equal the reference's."""
     from torch.distributed.fsdp import fully_shard
@@ -334,7 +334,7 @@ def test_fsdp2_fully_shard_matches_single_process(ctx, opt_kind, reshard):
         _close(p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-5)
 
 
-@dstest.spec(world_size=SIZES, worlds=WORLDS)
+@dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")
 def test_fsdp2_mixed_precision_bf16(ctx):
     """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): equals a reference that computes each rank's
     local loss with bf16 copies of the fp32 parameters and averages the fp32-cast gradients."""
@@ -376,7 +376,7 @@ def test_fsdp2_mixed_precision_bf16(ctx):
 
 # torch 2.13 warns that the root returns a view (RowwiseParallel's to_local output); nothing here edits it in place.
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor:UserWarning")
-@dstest.spec(world_size=[4], worlds=WORLDS)
+@dstest.spec(world_size=[4], worlds=WORLDS, contract="E6")
 def test_fsdp2_with_tensor_parallel_on_a_2d_mesh(ctx):
     """2-D parallelism on a (dp=2, tp=2) mesh: Colwise/Rowwise on tp, fully_shard on dp, 2 SGD steps; the dp
     ranks split the global batch, the tp ranks of one dp index see the same rows: equals the reference."""
@@ -402,7 +402,7 @@ def test_fsdp2_with_tensor_parallel_on_a_2d_mesh(ctx):
 
 
 # -- tensor parallel -----------------------------------------------------------------------------------------
-@dstest.spec(world_size=SIZES, worlds=WORLDS)
+@dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")
 def test_tensor_parallel_colwise_rowwise(ctx):
     """parallelize_module with ColwiseParallel then RowwiseParallel: output, grads and an SGD step match."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -426,7 +426,7 @@ def test_tensor_parallel_colwise_rowwise(ctx):
         _close(p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-5)
 
 
-@dstest.spec(world_size=SIZES, worlds=WORLDS)
+@dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")
 def test_tensor_parallel_sequence_parallel(ctx):
     """SequenceParallel LayerNorm on sequence-sharded input, then Colwise/Rowwise linears (Megatron SP layout)."""
     from torch.distributed.tensor import Shard
@@ -501,11 +501,11 @@ def _ddp_buckets(ctx, mode):
 
 
 test_ddp_buckets = pytest.mark.parametrize("mode", ["no_sync", "static_graph"])(
-    dstest.spec(world_size=SIZES, worlds=WORLDS)(_ddp_buckets)
+    dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")(_ddp_buckets)
 )
 
 
-@dstest.spec(world_size=SIZES, worlds=WORLDS)
+@dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")
 def test_fsdp1_cpu(ctx):
     """FSDP1 (FullyShardedDataParallel, FULL_SHARD, flat parameters) on CPU: 2 SGD steps match the reference."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -527,7 +527,7 @@ def test_fsdp1_cpu(ctx):
 
 
 # -- DCP ----------------------------------------------------------------------------------------------------
-@dstest.spec(world_size=SIZES, worlds=WORLDS)
+@dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")
 def test_dcp_plain_tensors(ctx, tmp_path):
     """dcp.save/load of plain (replicated) tensors and a Python value round-trips on every rank."""
     import torch.distributed.checkpoint as dcp
@@ -541,7 +541,7 @@ def test_dcp_plain_tensors(ctx, tmp_path):
     assert loaded["step"] == 3
 
 
-@dstest.spec(world_size=SIZES, worlds=WORLDS)
+@dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")
 def test_dcp_dtensor_resharding(ctx):
     """Save a Shard(0) DTensor (uneven rows) from W ranks; load it into Replicate, Shard(1) and a plain tensor."""
     import torch.distributed.checkpoint as dcp
@@ -569,7 +569,7 @@ def test_dcp_dtensor_resharding(ctx):
         shutil.rmtree(box[0])
 
 
-@dstest.spec(world_size=SIZES, worlds=WORLDS)
+@dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")
 def test_dcp_fsdp2_state_dict(ctx, tmp_path):
     """get_model_state_dict of an FSDP2 model after a step, saved with DCP, loaded into a fresh FSDP2 model and
     into a full (unsharded) state dict: both equal the trained single-process reference."""
@@ -608,7 +608,7 @@ def test_dcp_fsdp2_state_dict(ctx, tmp_path):
 
 # -- pipelining ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@dstest.spec(world_size=SIZES, worlds=WORLDS)
+@dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")
 def test_pipelining_schedules(ctx, schedule):
     """W stages of a Linear chain, 4 microbatches: the last stage's losses and every stage's grads equal the
     single-process reference (the mean of the microbatch losses)."""
@@ -647,7 +647,7 @@ def test_pipelining_schedules(ctx, schedule):
 
 
 # -- object collectives, barrier, subgroups -----------------------------------------------------------------
-@dstest.spec(world_size=SIZES, worlds=WORLDS)
+@dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")
 def test_object_collectives_barrier_subgroups(ctx):
     """all_gather_object, broadcast_object_list, gather_object, scatter_object_list, barrier, new_subgroups."""
     w, r = ctx.world_size, ctx.rank
@@ -684,7 +684,7 @@ def test_object_collectives_barrier_subgroups(ctx):
 
 
 # -- torch's own limits on a custom backend --------------------------------------------------------------------
-@dstest.spec(world_size=[2, 3], worlds=WORLDS)
+@dstest.spec(world_size=[2, 3], worlds=WORLDS, contract="E6")
 def test_monitored_barrier(ctx):
     """monitored_barrier is gloo-only in torch: the process world runs it; the threaded world says so."""
     from datetime import timedelta
@@ -699,7 +699,7 @@ def test_monitored_barrier(ctx):
     dist.barrier()  # the world is still usable afterwards
 
 
-@dstest.spec(world_size=[2, 4], worlds=WORLDS)
+@dstest.spec(world_size=[2, 4], worlds=WORLDS, contract="E6")
 def test_split_group(ctx):
     """dist.split_group needs a device bound to the default group (torch's own limit): a clear error, no hang."""
     if not hasattr(dist, "split_group"):
@@ -736,7 +736,7 @@ def test_world_group_kept_from_an_earlier_world_acts_for_the_current_world():
 
 
 # -- the README's example, as written there ---------------------------------------------------------------------
-@dstest.spec(world_size=SIZES, worlds=WORLDS)
+@dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")
 def test_readme_fsdp2_example(ctx):
     """README "torch's stacks": torch.manual_seed then model construction on every rank, one FSDP2 step."""
     from torch.distributed.fsdp import fully_shard
