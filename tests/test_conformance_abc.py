@@ -3,4 +3,5 @@
 
 from dstest.specs.grad_norm import *  # noqa: F403
 from dstest.specs.grad_reduction import *  # noqa: F403
+from dstest.specs.non_contiguous import *  # noqa: F403
 from dstest.specs.optional_groups import *  # noqa: F403

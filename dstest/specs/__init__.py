@@ -1,6 +1,7 @@
 """The bundled conformance specs: the contracts of SPEC.md that any target can meet (impl, DeepSpeed, ...).
 
-Modules: ``optional_groups`` (A1-A8), ``grad_reduction`` (B1-B9, stage 3 included), ``grad_norm``
+Modules: ``optional_groups`` (A1-A8), ``non_contiguous`` (A5-A7 at the call sites of A6 with the views
+real models pass), ``grad_reduction`` (B1-B9, stage 3 included), ``grad_norm``
 (C1-C7), ``zero3`` (D1, D7, D8 through the engine). Each spec is a ``@dstest.spec`` named
 ``test_<contract>_<what>`` that drives the system under test only through ``ctx.target`` and skips what
 the target lacks (:func:`dstest.targets.require`). Checks of impl's own pieces (its partitioner, gatherer,

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import dstest
-from dstest.groups import TOPOLOGIES, topologies_for
-from dstest.specs._helpers import batch, build, config, mse
+from dstest.groups import TOPOLOGIES
+from dstest.specs._helpers import batch, block_offset, build, config, gathered, members, mse, shared_randn, topology
 from dstest.targets import require
 
 OPS = ("mean", "sum")
@@ -31,32 +31,6 @@ def _issues_nothing(ctx: Any, fn: Callable[[], Any]) -> Any:
     dist.all_reduce(t)
     assert t.item() == ctx.world_size
     return result
-
-
-def _topology(ctx: Any, kind: str) -> Any:
-    if kind not in topologies_for(ctx.world_size):
-        pytest.skip(f"topology {kind!r} needs at least 2 ranks")
-    return ctx.groups.build(kind)
-
-
-def _members(ctx: Any, kind: str) -> list[int]:
-    return {
-        "absent": [],
-        "single": [ctx.rank],
-        "non_member": list(range(1, ctx.world_size)),
-        "multi": list(range(ctx.world_size)),
-    }[kind]
-
-
-def _shared(seed: int, *shape: int) -> torch.Tensor:
-    """The same tensor on every rank (fp64; cast where needed)."""
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-
-def _gather(t: torch.Tensor) -> list[torch.Tensor]:
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t.contiguous())
-    return out
 
 
 # -- A1-A4: is_parallel --------------------------------------------------------------------------------
@@ -102,28 +76,19 @@ def test_a4_non_member(ctx: Any) -> None:
 def test_a5_guarded_all_reduce(ctx: Any, kind: str) -> None:
     """Absent, single-rank and non-member groups leave the tensor unchanged; a parallel group sums."""
     require(ctx.target, "guarded_all_reduce", "is_parallel")
-    group = _topology(ctx, kind)
+    group = topology(ctx, kind)
     t = ctx.randn(6)
     before = t.clone()
-    everyone = _gather(before)
+    everyone = gathered(before)
     ctx.target.all_reduce(t, group)
     if ctx.target.is_parallel(group):
-        want = sum(everyone[r] for r in _members(ctx, kind))
+        want = sum(everyone[r] for r in members(ctx, kind))
         torch.testing.assert_close(t, want, rtol=1e-6, atol=1e-6)
     else:
         assert torch.equal(t, before), f"{kind}: a guarded all-reduce changed the tensor"
 
 
 # -- A6: call sites with optional groups -------------------------------------------------------------------
-def _block_offset(full: torch.Tensor, shard: torch.Tensor, dim: int) -> int:
-    """Where ``shard`` (a contiguous block of ``full`` along ``dim``) starts."""
-    n = shard.shape[dim]
-    for o in range(full.shape[dim] - n + 1):
-        if torch.equal(full.narrow(dim, o, n), shard):
-            return o
-    raise AssertionError(f"the shard {tuple(shard.shape)} is not a block of the full tensor {tuple(full.shape)}")
-
-
 class _TPNet(torch.nn.Module):
     def __init__(self, col: torch.nn.Module, row: torch.nn.Module) -> None:
         super().__init__()
@@ -138,14 +103,14 @@ _D, _H, _O = 5, 7, 3  # hidden 7: uneven shards over 2, 3 and 4 ranks
 
 
 def _tp_weights() -> tuple[torch.Tensor, ...]:
-    return _shared(11, _H, _D), _shared(12, _H), _shared(13, _O, _H), _shared(14, _O)
+    return shared_randn(11, _H, _D), shared_randn(12, _H), shared_randn(13, _O, _H), shared_randn(14, _O)
 
 
 @pytest.mark.parametrize("kind", TOPOLOGIES)
 @dstest.spec(world_size=[1, 2, 3, 4], contract="A6")
 def test_a6_tensor_parallel_linear_pair(ctx: Any, kind: str) -> None:
     require(ctx.target, "tensor_parallel_linear", "is_parallel")
-    group = _topology(ctx, kind)
+    group = topology(ctx, kind)
     w1, b1, w2, b2 = _tp_weights()
     col = ctx.target.column_parallel_linear(w1.float(), b1.float(), group).to(ctx.device)
     row = ctx.target.row_parallel_linear(w2.float(), b2.float(), group).to(ctx.device)
@@ -153,16 +118,16 @@ def test_a6_tensor_parallel_linear_pair(ctx: Any, kind: str) -> None:
     assert h >= 0 and row.weight.shape[1] == h, f"shard shapes {tuple(col.weight.shape)}, {tuple(row.weight.shape)}"
     if not ctx.target.is_parallel(group):
         assert h == _H, f"{kind}: a rank that is not parallel holds the whole layer, got {h} of {_H} rows"
-    x = _shared(15, 4, _D).float().to(ctx.device).requires_grad_()
+    x = shared_randn(15, 4, _D).float().to(ctx.device).requires_grad_()
     y = row(torch.tanh(col(x)))
     y.pow(2).sum().backward()
 
     ref = [t.clone().requires_grad_() for t in (w1, b1, w2, b2)]
-    xr = _shared(15, 4, _D).requires_grad_()
+    xr = shared_randn(15, 4, _D).requires_grad_()
     yr = F.linear(torch.tanh(F.linear(xr, ref[0], ref[1])), ref[2], ref[3])
     yr.pow(2).sum().backward()  # type: ignore[no-untyped-call]
     torch.testing.assert_close(y.double().cpu(), yr.detach(), rtol=1e-5, atol=1e-6)
-    o = _block_offset(w1.float(), col.weight.detach().cpu(), 0)
+    o = block_offset(w1.float(), col.weight.detach().cpu(), 0)
     grads = [col.weight.grad, col.bias.grad, row.weight.grad, row.bias.grad, x.grad]
     g1, gb1, g2, gb2 = (t.grad for t in ref)
     assert g1 is not None and gb1 is not None and g2 is not None
@@ -182,12 +147,12 @@ _UNEVEN = {1: [11], 2: [7, 4], 3: [5, 0, 6], 4: [1, 5, 0, 5]}  # zero-size shard
 @dstest.spec(world_size=[1, 2, 3, 4], contract="A6")
 def test_a6_vocab_parallel_cross_entropy(ctx: Any, kind: str) -> None:
     require(ctx.target, "vocab_parallel_cross_entropy", "is_parallel")
-    group = _topology(ctx, kind)
+    group = topology(ctx, kind)
     parallel = ctx.target.is_parallel(group)
     sizes = _UNEVEN[dist.get_world_size(group)] if parallel else [_VOCAB]
     grank = dist.get_rank(group) if parallel else 0
     start = sum(sizes[:grank])
-    logits = _shared(21, 6, _VOCAB)
+    logits = shared_randn(21, 6, _VOCAB)
     target = torch.tensor([0, 3, 5, 6, 10, 7])
     local = logits[:, start : start + sizes[grank]].float().clone().to(ctx.device).requires_grad_()
     loss = ctx.target.vocab_parallel_cross_entropy(local, target.to(ctx.device), group, start)
@@ -207,8 +172,8 @@ def test_a6_vocab_parallel_cross_entropy(ctx: Any, kind: str) -> None:
 @dstest.spec(world_size=[1, 2, 3, 4], contract="A6")
 def test_a6_global_norm_helper(ctx: Any, kind: str) -> None:
     require(ctx.target, "global_norm", "is_parallel")
-    group = _topology(ctx, kind)
-    full = [_shared(31, 7, 3), _shared(32, 5)]  # rows split unevenly over the group
+    group = topology(ctx, kind)
+    full = [shared_randn(31, 7, 3), shared_randn(32, 5)]  # rows split unevenly over the group
     if ctx.target.is_parallel(group):
         T, grank = dist.get_world_size(group), dist.get_rank(group)
         mine = [torch.tensor_split(t, T)[grank] for t in full]
@@ -226,7 +191,7 @@ def test_a6_zero_model_parallel_reductions(ctx: Any, kind: str, stage: int) -> N
     """An engine over a tensor-parallel model: the global norm covers the full model (shards once each,
     replicated parameters once), and a non-parallel model-parallel group adds no collective."""
     require(ctx.target, "mp_group", "tensor_parallel_linear", "is_parallel", f"stage{stage}")
-    group = _topology(ctx, kind)
+    group = topology(ctx, kind)
     w1, b1, w2, b2 = _tp_weights()
     model = _TPNet(
         ctx.target.column_parallel_linear(w1.float(), b1.float(), group),
@@ -234,11 +199,11 @@ def test_a6_zero_model_parallel_reductions(ctx: Any, kind: str, stage: int) -> N
     ).to(ctx.device)
     # Data parallelism is not the point here: every rank is its own data-parallel group.
     engine = ctx.target.initialize(model, config(stage, "mean"), dp_group=ctx.groups.single(), mp_group=group)
-    x = _shared(15, 4, _D).float().to(ctx.device)
+    x = shared_randn(15, 4, _D).float().to(ctx.device)
     engine.backward(engine(x).pow(2).sum())
     engine.step()
     ref = [t.clone().requires_grad_() for t in (w1, b1, w2, b2)]
-    F.linear(torch.tanh(F.linear(_shared(15, 4, _D), ref[0], ref[1])), ref[2], ref[3]).pow(2).sum().backward()  # type: ignore[no-untyped-call]
+    F.linear(torch.tanh(F.linear(shared_randn(15, 4, _D), ref[0], ref[1])), ref[2], ref[3]).pow(2).sum().backward()  # type: ignore[no-untyped-call]
     want = math.sqrt(sum(float(t.grad.pow(2).sum()) for t in ref if t.grad is not None))
     norm = engine.get_global_grad_norm()
     assert norm is not None and abs(float(norm) - want) <= 1e-5 * want, f"{kind}: norm {norm} != {want}"
@@ -255,7 +220,7 @@ def test_a7_non_contiguous_result_written_back(ctx: Any) -> None:
     base = ctx.randn(4, 6)
     t = base.t()
     assert not t.is_contiguous()
-    want = sum(_gather(t.clone()))
+    want = sum(gathered(t.clone()))
     out = ctx.target.all_reduce(t, ctx.groups.world())
     torch.testing.assert_close(t, want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(base.t(), want, rtol=1e-6, atol=1e-6)
