@@ -584,11 +584,12 @@ class DeepSpeedTarget:
 
     @staticmethod
     def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Linear:
+        """A ``torch.nn.Linear`` holding copies of ``weight`` and ``bias`` in their own layout (a weight
+        passed as ``stored.t()`` stays transposed, as in the model it came from)."""
         layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
-        with torch.no_grad():
-            layer.weight.copy_(weight)
-            if bias is not None:
-                layer.bias.copy_(bias)
+        layer.weight = torch.nn.Parameter(weight.detach().clone())  # clone keeps the strides of a dense tensor
+        if bias is not None:
+            layer.bias = torch.nn.Parameter(bias.detach().clone())
         return layer
 
     def column_parallel_linear(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any) -> torch.nn.Module:
