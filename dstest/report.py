@@ -18,17 +18,24 @@ import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+if TYPE_CHECKING:
+    from dstest.progress import Progress
+
 __all__ = [
+    "CASE_PROPERTY",
     "DEVIATION",
+    "FAILURE_PROPERTY",
     "OUTCOME_PROPERTY",
     "ConformanceReport",
     "Result",
+    "annotate",
     "classify",
     "contract_key",
+    "counts",
     "is_deviation",
     "is_third_party",
     "summary",
@@ -177,14 +184,53 @@ class _Case:
     world_size: int
 
 
+#: The ``report.user_properties`` entries that carry a case and its failure from an xdist worker (where the
+#: spec ran) to the controller (where the report is written): see :func:`annotate`.
+CASE_PROPERTY = "dstest_case"
+FAILURE_PROPERTY = "dstest_failure"
+
+
+def _case_of(item: pytest.Item) -> _Case | None:
+    """The conformance case a collected item runs, or None for an item that is not a spec."""
+    from dstest.specification import CASE_ARG, spec_info
+
+    info = spec_info(getattr(item, "function", None))
+    callspec: Any = getattr(item, "callspec", None)
+    case = callspec.params.get(CASE_ARG) if callspec is not None else None
+    if info is None or case is None:
+        return None
+    params = callspec.id.replace(case.id, "", 1).replace("--", "-").strip("-")
+    return _Case(getattr(item, "originalname", item.name), info.contract, params, case.world, case.world_size)
+
+
+def annotate(report: pytest.TestReport, item: pytest.Item, call: pytest.CallInfo[None]) -> None:
+    """Put ``item``'s case (and a failure's detail and rank tracebacks) on ``report`` for another process.
+
+    A :class:`ConformanceReport` on the xdist controller sees reports, never items: it reads these.
+    """
+    case = _case_of(item)
+    if case is None:
+        return
+    report.user_properties.append((CASE_PROPERTY, asdict(case)))
+    if call.excinfo is not None and report.failed:
+        _, detail, ranks = classify(call.excinfo.value, third_party=False)  # the status is the plugin's mark
+        report.user_properties.append((FAILURE_PROPERTY, [detail, ranks]))
+
+
+def _property(report: pytest.TestReport, name: str) -> Any:
+    return next((value for key, value in getattr(report, "user_properties", ()) or () if key == name), None)
+
+
 class ConformanceReport:
     """A pytest plugin that collects one :class:`Result` per spec case of a run (the ``dstest`` command's).
 
     Registered by :func:`dstest.cli.main` for one in-process ``pytest.main`` per target; it reads the
-    dstest plugin's deviation mark, shows progress on stderr and keeps the results in run order.
+    dstest plugin's deviation mark, shows progress on stderr and keeps the results in run order. With
+    ``select=False`` it only watches (the ``--dstest-html`` option of any pytest run): it leaves the
+    collected items as they are, and under pytest-xdist reads each case from its report (:func:`annotate`).
     """
 
-    def __init__(self, target: str, *, progress: bool = True, listing: bool = False) -> None:
+    def __init__(self, target: str, *, progress: bool = True, listing: bool = False, select: bool = True) -> None:
         self.target = target
         self._third_party: bool | None = None  # known once the run has registered its plug-ins
         self.results: list[Result] = []
@@ -193,9 +239,11 @@ class ConformanceReport:
         self.listing: list[tuple[str | None, str, tuple[int, ...]]] = []
         self.list_only = listing
         self.progress = progress
+        self.select = select
         self._partial: dict[str, Result] = {}
         self._details: dict[str, tuple[str, dict[str, str]]] = {}
         self._done = 0
+        self._progress: Progress | None = None
 
     @property
     def third_party(self) -> bool:
@@ -206,20 +254,15 @@ class ConformanceReport:
     # -- collection ----------------------------------------------------------------------------------
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
-        from dstest.specification import CASE_ARG, spec_info
-
         kept = []
         for item in items:
-            info = spec_info(getattr(item, "function", None))
-            callspec: Any = getattr(item, "callspec", None)
-            case = callspec.params.get(CASE_ARG) if callspec is not None else None
-            if info is None or case is None:
+            case = _case_of(item)
+            if case is None:
                 continue  # only specs are conformance cases
-            params = callspec.id.replace(case.id, "", 1).replace("--", "-").strip("-")
-            self.cases[item.nodeid] = _Case(
-                getattr(item, "originalname", item.name), info.contract, params, case.world, case.world_size
-            )
+            self.cases[item.nodeid] = case
             kept.append(item)
+        if not self.select:
+            return
         # SPEC order (A1, A2, ..., D8), then name, as SPEC.md reads; pytest runs them in that order too.
         kept.sort(key=lambda it: (contract_key(self.cases[it.nodeid].contract), self.cases[it.nodeid].spec))
         if len(kept) != len(items):
@@ -243,7 +286,10 @@ class ConformanceReport:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         case = self.cases.get(report.nodeid)
         if case is None:
-            return
+            sent = _property(report, CASE_PROPERTY)
+            if sent is None:
+                return
+            case = self.cases[report.nodeid] = _Case(**sent)
         result = self._partial.get(report.nodeid)
         if result is None:
             result = Result(
@@ -262,7 +308,7 @@ class ConformanceReport:
         if report.when == "teardown":
             self.results.append(self._partial.pop(report.nodeid))
             self._done += 1
-            self._show_progress(case.spec)
+            self._show_progress(result.status)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
@@ -277,30 +323,42 @@ class ConformanceReport:
         found = self._details.pop(report.nodeid, None)
         if found is not None:
             return found
+        sent = _property(report, FAILURE_PROPERTY)
+        if sent is not None:
+            return str(sent[0]), {str(rank): str(text) for rank, text in sent[1].items()}
         text = report.longreprtext.strip()
         lines = [ln[1:].strip() for ln in text.splitlines() if ln.startswith("E ")]
         return (lines[0] if lines else (text.splitlines() or ["failed"])[-1]), {}
 
-    def _show_progress(self, spec: str) -> None:
-        if not self.progress:
-            return
-        total = len(self.cases)
-        n = self._done
-        if sys.stderr.isatty():  # a redrawn bar on a terminal; in CI logs, a line per tenth of the run
-            bar = "#" * (30 * n // max(total, 1))
-            print(f"\r[{bar:<30}] {n}/{total} {spec[:50]:<50}", end="", file=sys.stderr, flush=True)
-            if n == total:
-                print(file=sys.stderr)
-        elif n == total or n % max(1, total // 10) == 0:
-            print(f"dstest: {n}/{total} runs done", file=sys.stderr, flush=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        if self.progress:  # stderr is the terminal's here and after each case, a capture while specs run
+            from dstest.progress import for_stream
+
+            self._progress = for_stream(sys.stderr, self.target)
+            self._progress.start(len(self.cases))
+
+    def _show_progress(self, status: str) -> None:
+        if self._progress is not None:
+            self._progress.advance(status, self._done)
+            if self._done == len(self.cases):
+                self._progress.close()
+
+    def pytest_sessionfinish(self) -> None:
+        """A stopped run's bar stays where it was (an interrupted run never reaches its last case)."""
+        if self._progress is not None:
+            self._progress.close()
+
+
+def counts(results: Sequence[Result]) -> dict[str, int]:
+    """How many results have each status: ``{"pass": n, "fail": n, "deviation": n, "skip": n}``."""
+    return {s: sum(r.status == s for r in results) for s in SYMBOL}
 
 
 def summary(results: Sequence[Result], seconds: float) -> str:
     """The count line and one line per failure or deviation (the whole text is in --json/--junit)."""
-    counts = {s: sum(r.status == s for r in results) for s in SYMBOL}
+    n = counts(results)
     lines = [
-        f"\n{counts['pass']} passed, {counts['fail']} failed, {counts[DEVIATION]} deviations, "
-        f"{counts['skip']} skipped in {seconds:.1f}s"
+        f"\n{n['pass']} passed, {n['fail']} failed, {n[DEVIATION]} deviations, {n['skip']} skipped in {seconds:.1f}s"
     ]
     for r in results:
         if r.status in ("fail", DEVIATION):
