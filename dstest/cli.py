@@ -2,8 +2,9 @@
 
 Runs the bundled specs (``dstest.specs``, the contracts of SPEC.md) against one or more targets, worlds and
 world sizes, prints a table (spec x world size: pass / FAIL / DEV / skip, with times) and writes JSON and
-JUnit XML for CI systems. Exit code 1 when a spec fails on a target; deviations of a third-party target
-(DeepSpeed) are findings, reported but not failing unless ``--fail-on-deviation``.
+JUnit XML for CI systems and a self-contained HTML page for people. Exit code 1 when a spec fails on a
+target; deviations of a third-party target (DeepSpeed) are findings, reported but not failing unless
+``--fail-on-deviation``.
 
 There is one conformance route: this command runs pytest in-process on the bundled package, once per
 target, with :class:`dstest.report.ConformanceReport` collecting the outcomes; it only translates its
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +44,24 @@ def _timeout(text: str) -> float:
         return parse_timeout(text, "--timeout")
     except InvalidArgument as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _output(flag: str) -> Callable[[str], str]:
+    """An argparse type for a report file (``--json``, ``--junit``, ``--html``): its directory must exist.
+
+    Checked before the run, so that a long run does not end in an error about where its report goes.
+    """
+
+    def check(text: str) -> str:
+        from dstest.errors import InvalidArgument
+        from dstest.html_report import check_output_path
+
+        try:
+            return check_output_path(text, flag)
+        except InvalidArgument as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return check
 
 
 def _name(kind: str, known: Sequence[str]) -> Callable[[str], str]:
@@ -149,8 +169,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--timeout", type=_timeout, default=120.0, help="seconds per world run, > 0 and <= 86400 (default 120)"
     )
-    parser.add_argument("--json", metavar="PATH", help="write every result as JSON")
-    parser.add_argument("--junit", metavar="PATH", help="write JUnit XML")
+    parser.add_argument("--json", metavar="PATH", type=_output("--json"), help="write every result as JSON")
+    parser.add_argument("--junit", metavar="PATH", type=_output("--junit"), help="write JUnit XML")
+    parser.add_argument(
+        "--html", metavar="PATH", type=_output("--html"),
+        help="write the report as one self-contained HTML page (matrix per target, evidence, filters)",
+    )  # fmt: skip
     parser.add_argument("--fail-on-deviation", action="store_true", help="exit 1 when a third-party target deviates")
     parser.add_argument("--list", action="store_true", help="list the specs and exit")
     parser.add_argument(
@@ -192,12 +216,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{contract or '-':<6} {label}  ws={list(sizes)}")
             return 0
         results += report.results
+    seconds = time.perf_counter() - start
     print(table(results))
-    print(summary(results, time.perf_counter() - start))
+    print(summary(results, seconds))
     if args.json:
         write_json(results, args.json)
     if args.junit:
         write_junit(results, args.junit)
+    if args.html:
+        from dstest.html_report import write_html
+
+        command = shlex.join(["dstest", *(sys.argv[1:] if argv is None else argv)])
+        write_html(results, args.html, seconds=seconds, command=command, plugins=args.plugin)
     failed = any(r.status == "fail" for r in results)
     deviated = any(r.status == "deviation" for r in results)
     return 1 if failed or (args.fail_on_deviation and deviated) else 0

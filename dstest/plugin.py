@@ -16,6 +16,9 @@ from typing import Any
 
 import pytest
 
+# --dstest-html (the conformance report of a pytest run as one HTML page) has its hooks in its own module.
+pytest_plugins = ["dstest.html_plugin"]
+
 OPT_WORLDS = "--dstest-worlds"
 OPT_TIMEOUT = "--dstest-timeout"
 OPT_TARGET = "--dstest-target"
@@ -122,8 +125,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         OPT_WORLDS,
         type=_parse_worlds,
         default=None,
-        help="comma-separated worlds to expand every spec to (threaded, threaded-cuda, fake, process, nccl); "
-        "default: each spec's own list, else threaded,nccl",
+        help="comma-separated worlds to expand every spec to (threaded, threaded-cuda, fake, process, nccl, "
+        "launched); default: each spec's own list, else threaded,nccl (under torchrun: nccl runs as launched)",
     )
     group.addoption(
         OPT_TIMEOUT,
@@ -222,6 +225,28 @@ def pytest_configure(config: pytest.Config) -> None:
         key = str(exc).partition("=")[0]
         option, value = values.get(key, (key, None))
         raise _usage(option, value, exc, f"{key}={value!r}") from None
+    _start_lockstep(config)
+
+
+def _start_lockstep(config: pytest.Config) -> None:
+    """Under a launcher (torchrun), run every item in lockstep with the other ranks (:mod:`dstest.lockstep`)."""
+    from dstest.errors import InvalidArgument
+    from dstest.worlds.launched import launch_environment  # light: no torch import
+
+    try:
+        env = launch_environment()
+    except InvalidArgument as exc:
+        raise pytest.UsageError(str(exc)) from None
+    if env is None or config.pluginmanager.has_plugin("dstest.lockstep"):
+        return
+    if getattr(config.option, "numprocesses", None):
+        raise pytest.UsageError(
+            f"-n {config.option.numprocesses} under a launcher (RANK={env.rank}, WORLD_SIZE={env.world_size}): "
+            "each launched rank is one pytest session, so pytest-xdist cannot split it; drop -n"
+        )
+    from dstest.lockstep import Lockstep
+
+    config.pluginmanager.register(Lockstep(config, settings(config).timeout), "dstest.lockstep")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -233,13 +258,23 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if info is None:
         return
     _check_placement(metafunc, info)
-    worlds = metafunc.config.getoption(OPT_WORLDS) or info.worlds or DEFAULT_WORLDS
+    worlds = metafunc.config.getoption(OPT_WORLDS) or _under_launcher(info.worlds or DEFAULT_WORLDS)
     sizes = metafunc.config.getoption(OPT_WORLD_SIZES) or info.world_sizes
     params = [
         pytest.param(case, id=case.id, marks=[getattr(pytest.mark, world_marker(case.world))])
         for case in (Case(world=w, world_size=ws) for w in worlds for ws in sizes)
     ]
     metafunc.parametrize(CASE_ARG, params)
+
+
+def _under_launcher(worlds: tuple[str, ...]) -> tuple[str, ...]:
+    """Under a launcher the GPU specs run on the launched ranks: ``nccl`` becomes ``launched``."""
+    from dstest.worlds.launched import launch_environment
+
+    if launch_environment() is None:
+        return worlds
+    mapped = ["launched" if w == "nccl" else w for w in worlds]
+    return tuple(dict.fromkeys(mapped))
 
 
 def _check_placement(metafunc: pytest.Metafunc, info: Any) -> None:

@@ -1,7 +1,7 @@
 """The names of targets and worlds, built in and from plug-ins: one torch-free registry.
 
-dstest ships two targets (``impl``, ``deepspeed``) and five worlds (``threaded``, ``threaded-cuda``,
-``fake``, ``process``, ``nccl``). Third parties add more in any of three ways, all ending here:
+dstest ships two targets (``impl``, ``deepspeed``) and six worlds (``threaded``, ``threaded-cuda``,
+``fake``, ``process``, ``nccl``, ``launched``). Third parties add more in any of three ways, all ending here:
 
 * a pytest plugin or ``conftest.py`` implements the hooks of :mod:`dstest.hookspecs`
   (``pytest_dstest_targets()`` / ``pytest_dstest_worlds()`` return ``{name: factory}``); the dstest plugin registers
@@ -61,8 +61,10 @@ BUILTIN_WORLDS: Mapping[str, tuple[str, str, Mapping[str, Any]]] = {
     "fake": ("dstest.worlds.fake", "FakeWorld", {}),
     "process": ("dstest.worlds.process", "ProcessWorld", {}),
     "nccl": ("dstest.worlds.nccl", "NcclWorld", {}),
+    "launched": ("dstest.worlds.launched", "LaunchedWorld", {}),
 }
-#: The pytest marker of each built-in world's items (known without importing torch).
+#: The pytest marker of each built-in world's items (known without importing torch). ``launched`` is not
+#: listed: its marker follows its backend (gpu on NCCL, cpu on gloo), asked of the world on first use.
 BUILTIN_WORLD_MARKERS: Mapping[str, str] = {
     "threaded": "cpu",
     "threaded-cuda": "gpu",
@@ -224,7 +226,7 @@ def is_entry_point_target(name: str) -> bool:
 
 def world_marker(name: str) -> str:
     """'cpu' or 'gpu': the pytest marker of world ``name``'s items (a plug-in world's own ``marker``)."""
-    builtin = BUILTIN_WORLD_MARKERS.get(name)
+    builtin = BUILTIN_WORLD_MARKERS.get(name)  # ``launched`` goes on: its world knows its marker
     if builtin is not None:
         return builtin
     marker = _PLUGIN_MARKERS.get(name)

@@ -7,6 +7,7 @@
 | fake           | this process plays rank r    | shape-checked, no data exchange    |
 | process        | warm OS processes            | gloo                               |
 | nccl           | one process per GPU          | NCCL                               |
+| launched       | the launcher's processes     | NCCL on GPUs, gloo on CPU          |
 
 Plug-ins add worlds (a pytest hook, an entry point in the group ``dstest.worlds`` or
 :func:`register_world`, see :mod:`dstest.registry`); :func:`world_names` lists them all.
