@@ -8,13 +8,19 @@
 #   1. environment report        env.txt
 #   2. ci/kernel_check.sh        kernel_check.log     the .cu alone, sm_80/sm_90, warnings as errors
 #   3. extension build           build.log            csrc/ with TORCH_CUDA_ARCH_LIST (default 9.0)
-#   4. pytest -m gpu             pytest-gpu.log, pytest-gpu.xml
-#   5. benchmark --device cuda   bench-cuda.log, bench-cuda.json
+#   4. pytest -m gpu             pytest-gpu.log, pytest-gpu.xml        the nccl world of one node: dstest
+#                                                                     starts one process per GPU (threaded
+#                                                                     CUDA world where GPUs < world size)
+#   5. torchrun ... pytest -m gpu pytest-launched.log, pytest-launched.xml   the launched world: torchrun
+#                                                                     starts one pytest per GPU, specs run on
+#                                                                     the launched ranks over NCCL
+#   6. benchmark --device cuda   bench-cuda.log, bench-cuda.json
 #
 # Everything lands in "${OUT:-./gpu-out}"; summary.txt lists each step's exit code and seconds. The
 # script exits non-zero when any step failed.
 #
-# Usage: bash ci/gpu.sh          (OUT=/some/dir, TORCH_CUDA_ARCH_LIST="8.0;9.0", PYTHON=python3.12)
+# Usage: bash ci/gpu.sh          (OUT=/some/dir, TORCH_CUDA_ARCH_LIST="8.0;9.0", PYTHON=python3.12,
+#                                 GPUS=8: the launched step's --nproc-per-node, default every visible GPU)
 set -uo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -97,6 +103,16 @@ if ! "$python" -c 'import importlib.metadata as m; m.distribution("dstest")' >/d
 fi
 step pytest_gpu 600 "$out/pytest-gpu.log" -- "$python" -m pytest -m gpu -p no:cacheprovider \
   "${plugin[@]}" -ra --junitxml="$out/pytest-gpu.xml" "$root/tests"
+
+# The same specs on ranks a launcher started (what several nodes do, on this one): one pytest per GPU.
+gpus="${GPUS:-$("$python" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)}"
+if [[ "$gpus" -ge 1 ]]; then
+  step pytest_launched 900 "$out/pytest-launched.log" -- "$python" -m torch.distributed.run --standalone \
+    --nproc-per-node "$gpus" -m pytest -m gpu -p no:cacheprovider "${plugin[@]}" -ra \
+    --junitxml="$out/pytest-launched.xml" "$root/tests"
+else
+  echo "pytest_launched skipped: no CUDA device" | tee -a "$summary"
+fi
 
 step bench_cuda 300 "$out/bench-cuda.log" -- "$python" "$root/benchmarks/bench_allgather.py" \
   --device cuda --json "$out/bench-cuda.json"
