@@ -157,7 +157,7 @@ def test_launched_ranks_run_in_lockstep_and_rank_0_reports(tmp_path: Path, nproc
     lost = cases["test_zz_main_thread_hangs_on_rank_one"].find("failure")
     assert lost is not None
     assert "ranks [1] did not report the call phase of this item within 8 s" in (lost.text or "")
-    assert took < 150, f"the launched run took {took:.0f} s"
+    assert took < 200, f"the launched run took {took:.0f} s"  # a hang would be an hour (time.sleep(3600))
 
 
 def test_ranks_that_collect_different_items_stop_before_running_any(tmp_path: Path) -> None:
