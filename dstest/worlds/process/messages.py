@@ -36,6 +36,7 @@ class _Command(NamedTuple):
     kwargs: dict[str, Any]
     seed: int
     setup: Any  # a picklable setup(ctx) to run on each rank before the function (RankCall.setup), or None
+    resets: tuple[str, ...] = ()  # dstest.resets references to call before the run, in order
 
 
 class _Reply(NamedTuple):

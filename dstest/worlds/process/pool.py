@@ -25,6 +25,7 @@ from dstest.errors import (
     WorldAborted,
     WorldTimeout,
 )
+from dstest.resets import registered as registered_resets
 from dstest.worlds._reports import format_stacks
 from dstest.worlds.process.launch import _free_port, _mp_context, _threads_per_rank
 from dstest.worlds.process.messages import _STOP, _Command, _FnRef, _PoolKey, _Reply, _unpickle_exception, _WorkerConfig
@@ -267,7 +268,8 @@ class _Pool:
         run_id = next(self.run_ids)
         try:
             blob = pickle.dumps(
-                _Command(run_id, ref, tuple(args), kwargs, seed, setup), protocol=pickle.HIGHEST_PROTOCOL
+                _Command(run_id, ref, tuple(args), kwargs, seed, setup, registered_resets()),
+                protocol=pickle.HIGHEST_PROTOCOL,
             )
         except Exception as exc:
             raise InvalidArgument(

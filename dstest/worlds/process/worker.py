@@ -20,6 +20,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from dstest.resets import apply as apply_resets
 from dstest.worlds.process.checked import _install_checking
 from dstest.worlds.process.checker import _Checker
 from dstest.worlds.process.messages import _STOP, _Command, _FnRef, _pickle_exception, _Reply, _WorkerConfig
@@ -157,6 +158,7 @@ class _Server:
         self.default_pg = c10d._get_default_group()
         self.backend_name, self.base_store = c10d._world.pg_map[self.default_pg]
         self.group_count = c10d._world.group_count
+        self.reset_failed = False
 
     def serve(self, blob: bytes) -> _Reply:
         import random
@@ -180,6 +182,11 @@ class _Server:
                 checking = True
             fn = self._resolve(cmd.ref)
             self._begin_run(run_id)
+            try:  # what the previous run left in process-global state (dstest.resets)
+                apply_resets(cmd.resets)
+            except BaseException:
+                self.reset_failed = True
+                raise
             ctx = RankContext(
                 rank=rank,
                 world_size=self.cfg.key.world_size,
@@ -265,6 +272,8 @@ class _Server:
 
         if not dist.is_initialized() or c10d._get_default_group() is not self.default_pg:
             return "the run destroyed or replaced the default process group"
+        if self.reset_failed:
+            return "a reset of process-global state failed before the run (dstest.resets)"
         problem = None
         for pg in list(c10d._world.pg_map):
             if pg is self.default_pg:

@@ -1,0 +1,469 @@
+"""The DeepSpeed test-suite plugin (``-p dstest.compat.deepspeed``) on small DistributedTest-style suites.
+
+Each test writes a suite of the shape DeepSpeed's tests have (a ``unit/common.py`` with ``DistributedExec``,
+``DistributedTest`` and ``DistributedFixture``, a conftest that hands DistributedTest items to the class,
+test classes with ``world_size``), written here from scratch, and runs it with pytest in a subprocess, with
+the plugin. The harness below runs each test on its own pool of forked processes when the plugin is off; the tests check
+what the plugin changes: the ranks run warm in dstest's process world, verdicts and locations stay the
+test's own, and nothing of one test reaches the next. DeepSpeed itself is not needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cpu
+
+#: A harness of the shape of DeepSpeed's tests/unit/common.py (the two steps the plugin adapts to:
+#: _launch_with_file_store(request, world_size) and _dist_run(local_rank, num_procs, master_port, ...)).
+COMMON = '''
+import inspect
+import os
+import socket
+import tempfile
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from _pytest.fixtures import FixtureLookupError
+from _pytest.outcomes import Skipped
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DistributedExec:
+    world_size = 2
+    init_distributed = True
+    set_dist_env = True
+    exec_timeout = 60
+
+    def run(self, **kwargs):
+        raise NotImplementedError
+
+    def __call__(self, request):
+        self._fixture_kwargs = self._kwargs(request, self.run)
+        self._launch_with_file_store(request, self.world_size)
+
+    def _kwargs(self, request, func):
+        found = {}
+        for name in inspect.signature(func).parameters:
+            try:
+                found[name] = request.getfixturevalue(name)
+            except FixtureLookupError:
+                pass
+        return found
+
+    def _launch_with_file_store(self, request, world_size):
+        sizes = [world_size] if isinstance(world_size, int) else world_size
+        for n in sizes:
+            os.environ["HARNESS_POOLS"] = str(int(os.environ.get("HARNESS_POOLS", "0")) + 1)
+            store = tempfile.NamedTemporaryFile(delete=False, dir=str(request.getfixturevalue("tmp_path")))
+            port = _free_port()
+            with mp.get_context("fork").Pool(n) as pool:
+                skips = pool.starmap(self._dist_run, [(r, n, port, f"file://{store.name}") for r in range(n)])
+            if any(skips):
+                pytest.skip(skips[0])
+
+    def _dist_run(self, local_rank, num_procs, master_port, init_method, skip_msg=""):
+        if self.set_dist_env:
+            os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(num_procs),
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
+        if self.init_distributed and not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=init_method, rank=local_rank, world_size=num_procs)
+        try:
+            self.run(**self._fixture_kwargs)
+        except Skipped as exc:
+            return exc.msg
+        return skip_msg
+
+
+class DistributedTest(DistributedExec):
+    is_dist_test = True
+
+    def run(self, **kwargs):
+        self._current_test(**kwargs)
+
+    def __call__(self, request):
+        self._current_test = getattr(self, request.function.__name__)
+        self._fixture_kwargs = self._kwargs(request, self._current_test)
+        mark = request.node.get_closest_marker("world_size")
+        world_size = mark.args[0] if mark else self._fixture_kwargs.get("world_size", self.world_size)
+        self._launch_with_file_store(request, world_size)
+
+
+class DistributedFixture(DistributedExec):
+    is_dist_fixture = True
+'''
+
+CONFTEST = '''
+import pytest
+
+
+@pytest.fixture(scope="class")
+def class_tmpdir(request, tmp_path_factory):
+    return tmp_path_factory.mktemp(request.cls.__name__ if request.cls else "module")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    if getattr(item.cls, "is_dist_test", False):
+        item.cls()(item._request)
+        item.runtest = lambda: True
+'''
+
+
+def _suite(pytester: pytest.Pytester, tests: str, *, conftest_extra: str = "", **files: str) -> None:
+    pytester.makepyfile(**{"unit/__init__.py": "", "unit/common.py": COMMON, **files})
+    pytester.makeconftest(CONFTEST + textwrap.dedent(conftest_extra))
+    pytester.makepyfile(test_suite=textwrap.dedent(tests))
+    pytester.makeini("[pytest]\nmarkers =\n    world_size: the world size of one test\n")
+
+
+def _run(pytester: pytest.Pytester, *args: str, plugin: bool = True) -> tuple[pytest.RunResult, dict[str, str]]:
+    junit = pytester.path / "junit.xml"
+    extra = ["-p", "dstest.compat.deepspeed"] if plugin else []
+    result = pytester.runpytest_subprocess(*extra, "-rsf", f"--junitxml={junit}", *args, timeout=600)
+    verdicts: dict[str, str] = {}
+    if junit.exists():
+        import xml.etree.ElementTree as ET
+
+        for case in ET.parse(junit).getroot().iter("testcase"):
+            kinds = {child.tag for child in case}
+            verdict = "failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds else "passed"
+            verdicts[case.get("name", "")] = verdict
+    return result, verdicts
+
+
+BASIC = """
+    import os
+    import pytest
+    import torch
+    import torch.distributed as dist
+    from unit.common import DistributedTest
+
+
+    class TestVerdicts(DistributedTest):
+        world_size = 2
+
+        def test_pass(self):
+            t = torch.ones(3) * (dist.get_rank() + 1)
+            dist.all_reduce(t)
+            assert t.tolist() == [3.0, 3.0, 3.0]
+            assert os.environ["WORLD_SIZE"] == "2" and os.environ.get("HARNESS_POOLS", "0") == "0"
+
+        def test_fail(self):
+            if dist.get_rank() == 1:
+                assert 1 + 1 == 3, "rank one disagrees"
+
+        def test_skip(self):
+            pytest.skip("needs a feature this machine lacks")
+"""
+
+
+def test_pass_fail_and_skip_keep_their_verdicts_and_point_at_the_test(pytester: pytest.Pytester) -> None:
+    _suite(pytester, BASIC)
+    result, verdicts = _run(pytester)
+    assert verdicts == {"test_pass": "passed", "test_fail": "failed", "test_skip": "skipped"}, result.stdout.str()
+    out = result.stdout.str()
+    lines = (pytester.path / "test_suite.py").read_text().splitlines()
+    fail_line = next(n for n, line in enumerate(lines, 1) if "assert 1 + 1 == 3" in line)
+    skip_line = next(n for n, line in enumerate(lines, 1) if "pytest.skip(" in line)
+    # the failure shows the failing rank's traceback through the test's own line
+    assert "rank 1" in out and "rank one disagrees" in out
+    assert f'test_suite.py", line {fail_line}, in test_fail' in out, out
+    # the skip is reported at the test's pytest.skip line, not inside dstest or the harness
+    assert f"test_suite.py:{skip_line}: needs a feature this machine lacks" in out, out
+    assert "3 launches ran warm; 0 ran on DeepSpeed's own launcher" in out
+
+
+SIZES = """
+    import json
+    import os
+    import pytest
+    import torch.distributed as dist
+    from unit.common import DistributedTest
+
+
+    def note(label):
+        path = os.path.join(os.environ["SIZES_DIR"], f"{label}-{dist.get_world_size()}-{dist.get_rank()}")
+        open(path, "w").close()
+
+
+    class TestList(DistributedTest):
+        world_size = [1, 2]
+
+        def test_each(self):
+            note("list")
+
+
+    class TestMark(DistributedTest):
+        world_size = 2
+
+        @pytest.mark.world_size(3)
+        def test_three(self):
+            note("mark")
+
+
+    @pytest.fixture(params=[1, 2])
+    def world_size(request):
+        return request.param
+
+
+    @pytest.fixture
+    def settings():
+        return {"lr": 0.5, "steps": 3}
+
+
+    class TestFixtures(DistributedTest):
+        @pytest.mark.parametrize("scale", [10])
+        def test_values(self, world_size, settings, scale):
+            assert settings == {"lr": 0.5, "steps": 3} and scale == 10
+            note(f"fixture{world_size}")
+"""
+
+
+def test_world_size_lists_marks_and_fixtures_reach_every_rank(
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _suite(pytester, SIZES)
+    monkeypatch.setenv("SIZES_DIR", str(tmp_path))
+    result, verdicts = _run(pytester)
+    assert verdicts and set(verdicts.values()) == {"passed"}, result.stdout.str()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "fixture1-1-0", "fixture2-2-0", "fixture2-2-1",
+        "list-1-0", "list-2-0", "list-2-1",
+        "mark-3-0", "mark-3-1", "mark-3-2",
+    ]  # fmt: skip
+    # test ids are the suite's own
+    assert set(verdicts) == {"test_each", "test_three", "test_values[1-10]", "test_values[2-10]"}
+
+
+FIXTURE = """
+    import os
+    import torch.distributed as dist
+    import pytest
+    from unit.common import DistributedFixture, DistributedTest
+
+
+    class rank_files(DistributedFixture):
+        world_size = 2
+
+        def run(self, class_tmpdir):
+            with open(os.path.join(class_tmpdir, f"rank{dist.get_rank()}"), "w") as f:
+                f.write(str(dist.get_world_size()))
+
+
+    @pytest.fixture
+    def written(request, class_tmpdir):
+        rank_files()(request)
+        return class_tmpdir
+
+
+    class TestReadsWhatTheFixtureWrote(DistributedTest):
+        world_size = 1
+
+        def test_read(self, written):
+            assert sorted(os.listdir(written)) == ["rank0", "rank1"]
+            assert open(os.path.join(written, "rank1")).read() == "2"
+"""
+
+
+def test_a_distributed_fixture_runs_on_its_own_world_size(pytester: pytest.Pytester) -> None:
+    _suite(pytester, FIXTURE)
+    result, verdicts = _run(pytester)
+    assert verdicts == {"test_read": "passed"}, result.stdout.str()
+    assert "2 launches ran warm" in result.stdout.str()
+
+
+OWN_WORLD = """
+    import pytest
+    import torch
+    import torch.distributed as dist
+    from unit.common import DistributedTest
+
+
+    class TestOwnsInit(DistributedTest):
+        world_size = 2
+        init_distributed = False
+
+        def test_forms_its_world(self):
+            assert not dist.is_initialized()  # a fresh process, not a warm worker
+            dist.init_process_group("gloo")
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            assert t.item() == 2.0
+            dist.destroy_process_group()
+
+
+    class TestMarked(DistributedTest):
+        world_size = 1
+
+        @pytest.mark.dstest_own_world("patches multiprocessing itself")
+        def test_marked(self):
+            assert not dist.is_initialized() or dist.get_world_size() == 1
+"""
+
+
+def test_tests_that_own_their_world_run_on_the_harness_and_are_listed(pytester: pytest.Pytester) -> None:
+    _suite(pytester, OWN_WORLD)
+    result, verdicts = _run(pytester)
+    assert verdicts == {"test_forms_its_world": "passed", "test_marked": "passed"}, result.stdout.str()
+    out = result.stdout.str()
+    assert "0 launches ran warm; 2 ran on DeepSpeed's own launcher" in out
+    assert (
+        "own launcher: test_suite.py::TestOwnsInit::test_forms_its_world (world size 2): "
+        "init_distributed = False: the test forms its own world"
+    ) in out
+    assert "own launcher: test_suite.py::TestMarked::test_marked (world size 1): patches multiprocessing itself" in out
+
+
+STATE = """
+    import os
+    import torch
+    import torch.distributed as dist
+    import statelib
+    from unit.common import DistributedTest
+
+
+    def pid_file():
+        return os.path.join(os.environ["SIZES_DIR"], f"pid{dist.get_rank()}")
+
+
+    class TestState(DistributedTest):
+        world_size = 2
+
+        def test_a_leaves_state_behind(self):
+            os.environ["LEFT_BEHIND"] = "1"
+            os.chdir("/")
+            torch.set_default_dtype(torch.float64)
+            statelib.GROUP = dist.new_group([0, 1])
+            statelib.CALLS.append("a")
+            with open(pid_file(), "w") as f:
+                f.write(str(os.getpid()))
+
+        def test_b_sees_a_fresh_process(self):
+            with open(pid_file()) as f:
+                assert int(f.read()) == os.getpid()  # the same warm worker as test_a
+            assert "LEFT_BEHIND" not in os.environ
+            assert os.getcwd() != "/"
+            assert torch.get_default_dtype() is torch.float32
+            assert statelib.GROUP is None and statelib.CALLS == []
+            assert torch.rand(1).item() == torch.rand(1, generator=torch.Generator()).item()
+"""
+
+STATELIB = """
+    GROUP = None
+    CALLS = []
+
+
+    def reset():
+        global GROUP
+        GROUP = None
+        CALLS.clear()
+"""
+
+
+@pytest.mark.parametrize("registered", [True, False], ids=["reset", "no-reset"])
+def test_state_of_one_test_never_reaches_the_next(
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, registered: bool
+) -> None:
+    extra = "\nimport dstest.resets\ndstest.resets.register('statelib:reset')\n" if registered else ""
+    _suite(pytester, STATE, conftest_extra=extra, statelib=textwrap.dedent(STATELIB))
+    monkeypatch.setenv("SIZES_DIR", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path), prepend=os.pathsep)
+    result, verdicts = _run(pytester)
+    if registered:
+        assert verdicts == {"test_a_leaves_state_behind": "passed", "test_b_sees_a_fresh_process": "passed"}, (
+            result.stdout.str()
+        )
+    else:  # the library's own state needs its reset: without it the next test sees it
+        assert verdicts["test_b_sees_a_fresh_process"] == "failed"
+        assert "assert statelib.GROUP is None" in result.stdout.str()
+
+
+HANG = """
+    import time
+    import torch
+    import torch.distributed as dist
+    from unit.common import DistributedTest
+
+
+    class TestFirst(DistributedTest):
+        world_size = 2
+
+        def test_warms_the_pool(self):
+            dist.barrier()
+
+
+    class TestHang(DistributedTest):
+        world_size = 2
+        exec_timeout = 4
+
+        def test_hangs(self):
+            if dist.get_rank() == 1:
+                time.sleep(600)
+            dist.barrier()
+
+
+    class TestAfter(DistributedTest):
+        world_size = 2
+
+        def test_runs_after_the_hang(self):
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            assert t.item() == 2.0
+"""
+
+
+def test_a_hanging_test_is_reported_with_stacks_and_the_next_test_runs(pytester: pytest.Pytester) -> None:
+    _suite(pytester, HANG)
+    result, verdicts = _run(pytester)
+    assert verdicts == {"test_warms_the_pool": "passed", "test_hangs": "failed", "test_runs_after_the_hang": "passed"}, (
+        result.stdout.str()
+    )
+    out = result.stdout.str()
+    lines = (pytester.path / "test_suite.py").read_text().splitlines()
+    sleep_line = next(n for n, line in enumerate(lines, 1) if "time.sleep(600)" in line)
+    assert f'test_suite.py", line {sleep_line} in test_hangs' in out  # rank 1's stack where it hangs
+    assert "pool replaced after: test_suite.py::TestHang::test_hangs" in out
+
+
+def test_a_harness_of_another_shape_is_refused(pytester: pytest.Pytester) -> None:
+    _suite(pytester, BASIC)
+    common = pytester.path / "unit" / "common.py"
+    common.write_text(common.read_text().replace("_launch_with_file_store", "_launch_all"))
+    result, _ = _run(pytester)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "no class of TestVerdicts's bases defines both _launch_with_file_store" in result.stderr.str()
+
+
+def test_without_the_plugin_the_harness_runs_its_own_pools(pytester: pytest.Pytester) -> None:
+    _suite(pytester, BASIC)
+    result, verdicts = _run(pytester, plugin=False)
+    # the suite's own check that it ran warm fails: the harness counted a pool of its own
+    assert verdicts == {"test_pass": "failed", "test_fail": "failed", "test_skip": "skipped"}, result.stdout.str()
+    assert "HARNESS_POOLS" in result.stdout.str()
+
+
+def test_the_deepspeed_reset_is_registered_and_cheap_without_deepspeed() -> None:
+    import subprocess
+    import sys
+
+    import dstest.resets
+
+    assert "dstest.compat.deepspeed:reset_deepspeed" in dstest.resets.registered()
+    code = (
+        "import sys, json; from dstest.compat.deepspeed import reset_deepspeed; reset_deepspeed(); "
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == []  # it imported nothing of DeepSpeed
