@@ -126,7 +126,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
                 f"{_RANK_ENTRY}(self, local_rank, num_procs, ...), the two steps of DeepSpeed's harness "
                 "(tests/unit/common.py) this plugin adapts to; run without -p dstest.compat.deepspeed"
             )
-    candidates: list[type] = [item.cls for item in items if getattr(item, "cls", None) is not None]
+    candidates: list[type] = [cls for cls in (getattr(item, "cls", None) for item in items) if cls is not None]
     for module in list(sys.modules.values()):
         for name in ("DistributedExec", "DistributedTest", "DistributedFixture"):
             obj = getattr(module, name, None) if module is not None else None
