@@ -118,11 +118,10 @@ class Work(_compat.WorkBase):  # type: ignore[misc]
 
     def is_completed(self) -> bool:
         w = self._waitable
-        if not w.event.is_set():
+        if not w.done:
             return False
         if w.error is None:  # polled complete: the caller may read the result now (as with gloo)
             w.session.consume(w)
-            w.finish_once()
         return True
 
     def is_success(self) -> bool:

@@ -5,9 +5,15 @@ by (group, sequence number) and then:
 
 1. ``check_local()`` on each call as it arrives (sizes that one rank alone can get wrong);
 2. ``check_peer(first)`` against the first call that arrived (op, dtype, shapes, root, counts);
-3. ``combine(calls)`` once, by the last rank to arrive, which reads every rank's inputs while all of them
-   are still waiting and returns per-rank sources that no rank can mutate afterwards;
-4. ``finish(source)`` on each rank, which copies its source into that rank's output tensors.
+3. ``combine(calls)`` once, by the last rank to arrive, which reads every rank's inputs and returns
+   per-rank sources that no rank can mutate afterwards;
+4. ``finish(source)`` for each rank, which copies its source into that rank's output tensors.
+
+Steps 3 and 4 run together in ``deliver(calls)``, by the last rank to arrive, for every rank. Large
+messages of the collectives that dominate training (all_reduce, all_gather_into_tensor,
+reduce_scatter_tensor, broadcast) skip the staging of step 3 where no output can alias another rank's
+input: they read every input in place and write every output once (measured in
+``benchmarks/bench_threaded.py`` against a memcpy of the same bytes).
 
 Messages name the op, the group, the sequence number and each rank's shapes, as gloo and NCCL do not.
 
@@ -25,33 +31,23 @@ import torch
 
 from dstest.errors import CollectiveMismatch, InvalidArgument
 
-__all__ = ["CALLS", "Call", "describe_tensor", "reduce_tensors"]
+__all__ = ["CALLS", "Call", "check_reduce", "copy_tensors", "describe_tensor", "reduce_into", "reduce_tensors"]
+
+
+def copy_tensors(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for each pair; many small tensors in one call of torch's foreach copy."""
+    if len(dsts) > 8:
+        try:
+            torch._foreach_copy_(list(dsts), list(srcs))
+            return
+        except (RuntimeError, TypeError):
+            pass  # mixed devices or dtypes it does not take: one copy at a time (raises what copy_ raises)
+    for dst, src in zip(dsts, srcs):
+        dst.copy_(src)
 
 
 def describe_tensor(t: torch.Tensor) -> str:
     return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}@{t.device.type}"
-
-
-def _fold(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[Sequence[torch.Tensor]], torch.Tensor]:
-    """Reduce in rank order into one fresh tensor, in place: no stacked copy of every rank's input."""
-
-    def reduce(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        out = tensors[0].detach().clone()
-        for t in tensors[1:]:
-            step(out, t.detach())
-        return out
-
-    return reduce
-
-
-def _integral_only(name: str, reduce: Callable[[Sequence[torch.Tensor]], torch.Tensor]) -> Callable[[Sequence[torch.Tensor]], torch.Tensor]:
-    def checked(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        dtype = tensors[0].dtype
-        if dtype.is_floating_point or dtype.is_complex:
-            raise InvalidArgument(f"reduce op {name!r} on dtype={dtype}: only integer and bool tensors allowed")
-        return reduce(tensors)
-
-    return checked
 
 
 def _sum_step(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -62,34 +58,75 @@ def _product_step(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return out.logical_and_(t) if out.dtype == torch.bool else out.mul_(t)
 
 
-def _avg(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    total = _fold(_sum_step)(tensors)
-    if total.dtype.is_floating_point or total.dtype.is_complex:
-        return total.div_(len(tensors))
-    return torch.div(total, len(tensors), rounding_mode="trunc")
-
-
-_REDUCERS: dict[str, Callable[[Sequence[torch.Tensor]], torch.Tensor]] = {
-    "sum": _fold(_sum_step),
-    "avg": _avg,
-    "product": _fold(_product_step),
-    "min": _fold(lambda out, t: torch.minimum(out, t, out=out)),
-    "max": _fold(lambda out, t: torch.maximum(out, t, out=out)),
-    "band": _integral_only("band", _fold(lambda out, t: out.bitwise_and_(t))),
-    "bor": _integral_only("bor", _fold(lambda out, t: out.bitwise_or_(t))),
-    "bxor": _integral_only("bxor", _fold(lambda out, t: out.bitwise_xor_(t))),
+# One in-place step per reduce op; "avg" is "sum" then a division. Reductions fold in rank order into
+# one tensor: no stacked copy of every rank's input.
+_STEPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "sum": _sum_step,
+    "product": _product_step,
+    "min": lambda out, t: torch.minimum(out, t, out=out),
+    "max": lambda out, t: torch.maximum(out, t, out=out),
+    "band": lambda out, t: out.bitwise_and_(t),
+    "bor": lambda out, t: out.bitwise_or_(t),
+    "bxor": lambda out, t: out.bitwise_xor_(t),
 }
+_INTEGRAL_ONLY = frozenset({"band", "bor", "bxor"})
+_REDUCE_OPS = frozenset({*_STEPS, "avg"})
+
+
+def check_reduce(op: str, dtype: torch.dtype) -> None:
+    """Raise InvalidArgument when reduce op ``op`` cannot reduce tensors of ``dtype``."""
+    if op not in _REDUCE_OPS:
+        raise InvalidArgument(
+            f"reduce op {op!r} is not supported by the threaded world; allowed: {sorted(_REDUCE_OPS)}"
+        )
+    if op in _INTEGRAL_ONLY and (dtype.is_floating_point or dtype.is_complex):
+        raise InvalidArgument(f"reduce op {op!r} on dtype={dtype}: only integer and bool tensors allowed")
+
+
+def reduce_into(op: str, out: torch.Tensor, others: Sequence[torch.Tensor], count: int) -> torch.Tensor:
+    """Fold ``others`` into ``out`` (which holds the first operand) in rank order; ``count`` operands in
+    all. Returns the tensor holding the result: ``out``, or a new one where the result's dtype differs
+    (integer "avg"). The op must have passed :func:`check_reduce`."""
+    step = _STEPS["sum" if op == "avg" else op]
+    for t in others:
+        step(out, t.detach())
+    if op != "avg":
+        return out
+    if out.dtype.is_floating_point or out.dtype.is_complex:
+        return out.div_(count)
+    return torch.div(out, count, rounding_mode="trunc")
 
 
 def reduce_tensors(op: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Reduce same-shaped tensors, in rank order, with a c10d reduce op name ('sum', 'avg', 'min', ...)."""
+    check_reduce(op, tensors[0].dtype)
+    return reduce_into(op, tensors[0].detach().clone(), tensors[1:], len(tensors))
+
+
+#: Messages from this size up are read in place (no staging copy) where no output aliases an input;
+#: below it the staging copy costs less than the aliasing checks.
+IN_PLACE_BYTES = 1 << 16
+
+
+def _storage(t: torch.Tensor) -> int | None:
     try:
-        reducer = _REDUCERS[op]
-    except KeyError:
-        raise InvalidArgument(
-            f"reduce op {op!r} is not supported by the threaded world; allowed: {sorted(_REDUCERS)}"
-        ) from None
-    return reducer(tensors)
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+        return None
+
+
+def _outputs_apart(outs: Sequence[torch.Tensor], inps: Sequence[torch.Tensor]) -> bool:
+    """Whether the outputs share storage with no other output and no input (then writing one output
+    cannot change anything another rank's result is read from)."""
+    mine = [_storage(o) for o in outs]
+    if None in mine or len(set(mine)) != len(mine):
+        return False
+    theirs = {_storage(i) for i in inps}
+    return None not in theirs and not theirs.intersection(mine)
+
+
+def _large(t: torch.Tensor) -> bool:
+    return t.numel() * t.element_size() >= IN_PLACE_BYTES
 
 
 class Call:
@@ -139,6 +176,17 @@ class Call:
     def combine(self, calls: Sequence[Call]) -> list[Any]:
         return [None] * len(calls)
 
+    def deliver(self, calls: Sequence[Call]) -> dict[int, BaseException]:
+        """Steps 3 and 4 for every rank (by the last to arrive, grad mode off). Returns the group ranks
+        whose own output could not be written, with the error (each is raised on that rank only)."""
+        failed: dict[int, BaseException] = {}
+        for call, source in zip(calls, self.combine(calls)):
+            try:
+                call.finish(source)
+            except Exception as exc:  # a copy that fails (device, dtype) fails that rank's wait
+                failed[call.group_rank] = exc
+        return failed
+
     def finish(self, source: Any) -> None:
         """Copy this rank's result from ``source`` into its output tensors."""
 
@@ -172,8 +220,8 @@ class AllReduce(Call):
         return describe_tensor(self.tensor)
 
     def check_local(self) -> None:
-        if self.reduce_op not in _REDUCERS:
-            raise InvalidArgument(f"all_reduce op={self.reduce_op!r}; allowed: {sorted(_REDUCERS)}")
+        if self.reduce_op not in _REDUCE_OPS:
+            raise InvalidArgument(f"all_reduce op={self.reduce_op!r}; allowed: {sorted(_REDUCE_OPS)}")
 
     def key(self) -> tuple[Any, ...]:
         return (*super().key(), _sig(self.tensor))
@@ -182,6 +230,21 @@ class AllReduce(Call):
         assert self.reduce_op is not None
         result = reduce_tensors(self.reduce_op, [c.tensor for c in calls])  # type: ignore[attr-defined]
         return [result] * len(calls)
+
+    def deliver(self, calls: Sequence[Call]) -> dict[int, BaseException]:
+        ts: list[torch.Tensor] = [c.tensor for c in calls]  # type: ignore[attr-defined]
+        first = ts[0]
+        if not (_large(first) and first.is_contiguous() and _outputs_apart(ts, ())):
+            return super().deliver(calls)
+        # In place: fold into rank 0's tensor (its own input is the first operand), then copy it out.
+        assert self.reduce_op is not None
+        check_reduce(self.reduce_op, first.dtype)
+        result = reduce_into(self.reduce_op, first, ts[1:], len(ts))
+        if result is not first:
+            first.copy_(result)
+        for t in ts[1:]:
+            t.copy_(first)
+        return {}
 
     def finish(self, source: Any) -> None:
         self.tensor.copy_(source)
@@ -200,6 +263,9 @@ class Reduce(AllReduce):
     def check_local(self) -> None:
         super().check_local()
         _check_root(self)
+
+    # Only the root's tensor may change, and the fold starts from rank 0's input: staged.
+    deliver = Call.deliver
 
     def finish(self, source: Any) -> None:
         if self.group_rank == self.root:
@@ -236,6 +302,20 @@ class Broadcast(Call):
         src = calls[self.root].tensor.detach().clone()  # type: ignore[attr-defined]
         return [src] * len(calls)
 
+    def deliver(self, calls: Sequence[Call]) -> dict[int, BaseException]:
+        assert self.root is not None
+        src: torch.Tensor = calls[self.root].tensor  # type: ignore[attr-defined]
+        others = [c for c in calls if c.group_rank != self.root]
+        if not _outputs_apart([c.tensor for c in others], [src]):  # type: ignore[attr-defined]
+            return super().deliver(calls)
+        failed: dict[int, BaseException] = {}
+        for c in others:  # straight from the root's tensor: no staging copy
+            try:
+                c.tensor.copy_(src)  # type: ignore[attr-defined]
+            except Exception as exc:
+                failed[c.group_rank] = exc
+        return failed
+
     def finish(self, source: Any) -> None:
         if self.group_rank != self.root:
             self.tensor.copy_(source)
@@ -255,8 +335,7 @@ class _IntoList(Call):
         return [srcs] * len(calls)
 
     def finish(self, source: Any) -> None:
-        for out, src in zip(self.outs, source):
-            out.copy_(src)
+        copy_tensors(self.outs, source)
 
     def outputs(self) -> list[torch.Tensor]:
         return self.outs
@@ -339,6 +418,43 @@ class AllGatherIntoTensor(_SingleTensorCall):
     def finish(self, source: Any) -> None:
         self.out.copy_(source.view(self.out.shape))
 
+    def deliver(self, calls: Sequence[Call]) -> dict[int, BaseException]:
+        outs: list[torch.Tensor] = [c.out for c in calls]  # type: ignore[attr-defined]
+        inps: list[torch.Tensor] = [c.inp.detach() for c in calls]  # type: ignore[attr-defined]
+        inside = self._inputs_in_own_output(outs, inps) if _large(self.inp) else None
+        if inside is None:
+            return super().deliver(calls)
+        n = self.inp.numel()
+        for k, out in enumerate(outs):  # every input read in place, every output written once
+            flat = out.view(-1)
+            if k not in inside:
+                torch.cat([i.reshape(-1) for i in inps], out=flat)
+                continue
+            for i, inp in enumerate(inps):
+                if i != k:
+                    flat[i * n : (i + 1) * n].copy_(inp.reshape(-1))
+        return {}
+
+    @staticmethod
+    def _inputs_in_own_output(outs: Sequence[torch.Tensor], inps: Sequence[torch.Tensor]) -> set[int] | None:
+        """The ranks whose input is their own output's chunk (FSDP's in-place all-gather), or None when
+        reading inputs in place is unsafe (an input inside another rank's output, or outputs that share
+        storage or are not contiguous)."""
+        stores = [_storage(o) for o in outs]
+        if None in stores or len(set(stores)) != len(stores) or not all(o.is_contiguous() for o in outs):
+            return None
+        inside: set[int] = set()
+        for i, inp in enumerate(inps):
+            s = _storage(inp)
+            if s is None:
+                return None
+            if s in stores:
+                chunk = outs[i].data_ptr() + i * inp.numel() * inp.element_size()
+                if s != stores[i] or not inp.is_contiguous() or inp.data_ptr() != chunk:
+                    return None
+                inside.add(i)
+        return inside
+
 
 class ReduceScatter(Call):
     op = "reduce_scatter"
@@ -404,6 +520,23 @@ class ReduceScatterTensor(_SingleTensorCall):
     def finish(self, source: Any) -> None:
         self.out.copy_(source.view(self.out.shape))
 
+    def deliver(self, calls: Sequence[Call]) -> dict[int, BaseException]:
+        outs: list[torch.Tensor] = [c.out for c in calls]  # type: ignore[attr-defined]
+        inps: list[torch.Tensor] = [c.inp for c in calls]  # type: ignore[attr-defined]
+        if not (_large(self.out) and all(o.is_contiguous() for o in outs) and _outputs_apart(outs, inps)):
+            return super().deliver(calls)
+        assert self.reduce_op is not None
+        check_reduce(self.reduce_op, self.inp.dtype)
+        n = self.out.numel()
+        flats = [i.detach().reshape(-1) for i in inps]
+        for j, out in enumerate(outs):  # rank j's chunk of every input, folded in rank order into its output
+            o = out.view(-1)
+            o.copy_(flats[0][j * n : (j + 1) * n])
+            result = reduce_into(self.reduce_op, o, [f[j * n : (j + 1) * n] for f in flats[1:]], len(flats))
+            if result is not o:
+                o.copy_(result)
+        return {}
+
 
 class AllToAll(Call):
     op = "all_to_all"
@@ -441,8 +574,7 @@ class AllToAll(Call):
         return [[copies[i][j] for i in range(len(calls))] for j in range(len(calls))]
 
     def finish(self, source: Any) -> None:
-        for out, src in zip(self.outs, source):
-            out.copy_(src)
+        copy_tensors(self.outs, source)
 
     def outputs(self) -> list[torch.Tensor]:
         return self.outs

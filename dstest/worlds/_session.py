@@ -13,12 +13,20 @@ future handed out by ``Work.get_future()``; both are seen by the deadlock check:
 What a rank leaves behind is checked when it finishes (:meth:`Session.rank_done`): work it posted that no
 rank matched or that it never waited, and errors dstest raised into its code that the code caught. Each
 is a failure of that rank, so no run passes with unmatched work or a swallowed mismatch.
+
+The hot path (one collective) is shaped by its profile: the last rank to arrive checks the calls, writes
+every rank's outputs (``Call.deliver``, reading the inputs in place where they cannot alias an output)
+and wakes the ranks that sleep on it by releasing one lock each; a woken rank only returns. Outputs are
+thus written when the collective completes, as gloo's and NCCL's background work writes them, not when
+each rank waits. A wait allocates its wake-up lock only when it has to sleep; all state changes happen
+under the session lock.
 """
 
 from __future__ import annotations
 
 import threading
 import traceback
+from _thread import allocate_lock
 from collections import deque
 from typing import Any
 
@@ -32,17 +40,21 @@ __all__ = ["Done", "Session", "Waitable"]
 
 
 class Waitable:
-    """Something a rank can wait on: one side of a collective or of a point-to-point transfer."""
+    """Something a rank can wait on: one side of a collective or of a point-to-point transfer.
 
-    def __init__(self, session: Any, global_rank: int, where: str) -> None:
+    ``done`` and ``error`` change only under the session lock (:meth:`complete`); reading ``done``
+    without it is safe (it only ever goes from False to True).
+    """
+
+    where = ""
+
+    def __init__(self, session: Any, global_rank: int) -> None:
         self.session = session
         self.global_rank = global_rank
-        self.where = where
-        self.event = threading.Event()
+        self.done = False
         self.error: BaseException | None = None
-        self.futures: list[torch.futures.Future[Any]] = []
-        self._finished = False
-        self._finish_lock = threading.Lock()
+        self.futures: list[torch.futures.Future[Any]] | None = None
+        self._waiter: Any = None  # a held lock while the rank sleeps on this wait (see Session.wait)
 
     def describe(self) -> str:
         raise NotImplementedError
@@ -54,25 +66,21 @@ class Waitable:
     def outputs(self) -> list[torch.Tensor]:
         return []
 
-    def _finish(self) -> None:
-        pass
-
-    def finish_once(self) -> None:
-        """Copy this rank's result into its tensors, once. Copies never enter autograd (as with gloo)."""
-        with self._finish_lock:
-            if not self._finished:
-                self._finished = True
-                with torch.no_grad():
-                    self._finish()
-
     def complete(self, error: BaseException | None = None) -> None:
-        """Mark done (by whichever thread completed it) and resolve futures handed out by get_future()."""
-        if self.event.is_set():
+        """Under the session lock: mark done, wake the rank sleeping on it, resolve handed-out futures."""
+        if self.done:
             return
         self.error = self.error or error
-        self.event.set()
-        for fut in self.futures:
-            self._resolve(fut)
+        self.done = True
+        waiter = self._waiter
+        if waiter is not None:
+            pending = getattr(self.session, "pending", None)
+            if pending is not None and pending.get(self.global_rank) is self:
+                del pending[self.global_rank]
+            waiter.release()
+        if self.futures:
+            for fut in self.futures:
+                self._resolve(fut)
 
     def _resolve(self, fut: torch.futures.Future[Any]) -> None:
         if self.error is not None:
@@ -81,19 +89,18 @@ class Waitable:
             self.session.note_raised(self.global_rank, err)
             fut.set_exception(err)
             return
-        try:
-            self.finish_once()
-        except Exception as exc:  # a copy that fails (device, dtype) surfaces through the future
-            fut.set_exception(exc)
-            return
         fut.set_result(self.outputs())
 
 
 class CollectiveWait(Waitable):
     def __init__(self, session: Session, global_rank: int, call: C.Call, exchange: Exchange) -> None:
-        super().__init__(session, global_rank, exchange.where)
+        super().__init__(session, global_rank)
         self.call = call
         self.exchange = exchange
+
+    @property
+    def where(self) -> str:  # type: ignore[override]
+        return self.exchange.where
 
     def describe(self) -> str:
         return f"{self.call.describe()} on {self.where}"
@@ -104,31 +111,34 @@ class CollectiveWait(Waitable):
     def outputs(self) -> list[torch.Tensor]:
         return self.call.outputs()
 
-    def _finish(self) -> None:
-        sources = self.exchange.sources
-        assert sources is not None
-        self.call.finish(sources[self.call.group_rank])
-
 
 class Exchange:
     """All ranks' sides of one collective on one group."""
 
+    __slots__ = ("calls", "error", "first", "first_key", "global_ranks", "label", "missing", "seq", "waits")
+
     def __init__(self, group: Any, seq: int) -> None:
         self.global_ranks: list[int] = group.global_ranks
-        self.where = f"group {group.label} (seq {seq})"
+        self.label: str = group.label
+        self.seq = seq
         self.calls: list[C.Call | None] = [None] * group.size_
-        self.missing = group.size_
+        self.missing: int = group.size_
         self.waits: list[CollectiveWait] = []
         self.first: C.Call | None = None
-        self.sources: list[Any] | None = None
+        self.first_key: tuple[Any, ...] = ()
         self.error: BaseException | None = None
+
+    @property
+    def where(self) -> str:  # formatted only for messages, not on every collective
+        return f"group {self.label} (seq {self.seq})"
 
 
 class P2PWait(Waitable):
     def __init__(
         self, session: Session, global_rank: int, kind: str, tensor: torch.Tensor, peer: int, where: str, tag: int
     ) -> None:
-        super().__init__(session, global_rank, where)
+        super().__init__(session, global_rank)
+        self.where = where
         self.kind = kind
         self.tensor = tensor
         self.peer = peer
@@ -139,7 +149,7 @@ class P2PWait(Waitable):
         return f"{self.kind}({C.describe_tensor(self.tensor)} {arrow} rank {self.peer}, tag={self.tag}) on {self.where}"
 
     def waiting_for(self) -> list[int]:
-        return [] if self.event.is_set() else [self.peer]
+        return [] if self.done else [self.peer]
 
     def outputs(self) -> list[torch.Tensor]:
         return [self.tensor]
@@ -149,9 +159,9 @@ class Done(Waitable):
     """Work that is complete when it is made (coalesced forms, the fake world)."""
 
     def __init__(self, session: Any, rank: int, tensors: list[torch.Tensor]) -> None:
-        super().__init__(session, rank, "")
+        super().__init__(session, rank)
         self._tensors = tensors
-        self.event.set()
+        self.done = True
 
     def describe(self) -> str:
         return "completed"
@@ -245,42 +255,50 @@ class Session:
         call.check_local()
         seq = group.next_seq()
         key = (group.key, seq)
+        mine = call.key()
         with self.lock:
-            self._check_alive()
+            if self.aborted is not None:
+                self._check_alive()
             ex = self.exchanges.get(key)
             if ex is None:
                 ex = self.exchanges[key] = Exchange(group, seq)
-            wait = CollectiveWait(self, group.global_ranks[call.group_rank], call, ex)
+            wait = CollectiveWait(self, ex.global_ranks[call.group_rank], call, ex)
             if ex.error is not None:
                 raise self._raise(wait.global_rank, ex.error)
             if ex.first is None:
-                ex.first = call
-            else:
-                why = call.check_peer(ex.first)
-                if why is not None:
-                    first_rank = ex.global_ranks[ex.first.group_rank]
-                    err = C.mismatch(
-                        f"collective mismatch on {ex.where}", first_rank, ex.first, wait.global_rank, call, why
-                    )
-                    self._fail_exchange(ex, err)
-                    raise self._raise(wait.global_rank, err)
+                ex.first, ex.first_key = call, mine
+            elif type(call) is not type(ex.first) or mine != ex.first_key:
+                # the first call's key is computed once per collective; the message only on a mismatch
+                why = call.check_peer(ex.first) or "different arguments"
+                first_rank = ex.global_ranks[ex.first.group_rank]
+                err = C.mismatch(
+                    f"collective mismatch on {ex.where}", first_rank, ex.first, wait.global_rank, call, why
+                )
+                self._fail_exchange(ex, err)
+                raise self._raise(wait.global_rank, err)
             ex.calls[call.group_rank] = call
             ex.missing -= 1
             ex.waits.append(wait)
-            self._open(wait)
+            self.ranks[wait.global_rank].open[id(wait)] = wait
             if ex.missing:
-                gone = [g for g, c in zip(ex.global_ranks, ex.calls) if c is None and g in self.done]
-                if gone:
-                    self._doom_waits_needing(gone[0])
+                if self.done:  # only a finished rank can doom it; most runs have none mid-collective
+                    gone = [g for g, c in zip(ex.global_ranks, ex.calls) if c is None and g in self.done]
+                    if gone:
+                        self._doom_waits_needing(gone[0])
                 return wait
             del self.exchanges[key]
         self._complete(ex)
         return wait
 
     def _complete(self, ex: Exchange) -> None:
-        calls = [c for c in ex.calls if c is not None]
+        """By the last rank to arrive, outside the lock: check every call, write every rank's outputs,
+        then wake the others. The other ranks are inside the collective or past an async post, so their
+        inputs are read in place (as NCCL reads them); copies never enter autograd (as with gloo)."""
+        calls: list[C.Call] = ex.calls  # type: ignore[assignment]  # complete: no None left
         first = calls[0]
         error: BaseException | None = None
+        failed: dict[int, BaseException] = {}
+        grad = torch.is_grad_enabled()
         try:
             why = first.check_all(calls)
             if why is not None:
@@ -289,14 +307,18 @@ class Session:
                     + "; ".join(f"rank {g} called {c.describe()}" for g, c in zip(ex.global_ranks, calls))
                 )
             else:
-                with torch.no_grad():
-                    ex.sources = first.combine(calls)
+                if grad:
+                    torch._C._set_grad_enabled(False)
+                failed = first.deliver(calls)
         except Exception as exc:
             error = exc
+        finally:
+            if grad:
+                torch._C._set_grad_enabled(True)
         with self.lock:
             ex.error = error
             for w in ex.waits:
-                w.complete(error)
+                w.complete(error or failed.get(w.call.group_rank))
 
     def _fail_exchange(self, ex: Exchange, err: BaseException) -> None:
         ex.error = err
@@ -344,26 +366,29 @@ class Session:
     # -- waiting, deadlocks, abort -------------------------------------------------------------------
     def wait(self, waitable: Waitable) -> None:
         rank = waitable.global_rank
+        waiter = None
         with self.lock:
             self.consume(waitable)
-            blocked = not waitable.event.is_set()
-            if blocked:
+            if not waitable.done:
                 self._check_alive(rank)
+                # Sleep on a lock of its own: complete() releases it (and drops the pending entry) under
+                # the session lock, so a woken rank takes no lock on its way out.
+                waiter = waitable._waiter = allocate_lock()
+                waiter.acquire()
                 self.pending[rank] = waitable
                 self._detect_deadlock()
-        if blocked:
-            waitable.event.wait()
-            with self.lock:
-                self.pending.pop(rank, None)
+        if waiter is not None:
+            waiter.acquire()
         if waitable.error is not None:
             raise self._raise(rank, waitable.error)
-        waitable.finish_once()
 
     def hand_out_future(self, waitable: Waitable, fut: torch.futures.Future[Any]) -> None:
         """Resolve ``fut`` when ``waitable`` completes (at once if it has)."""
         with self.lock:
             self.consume(waitable)
-            if not waitable.event.is_set():
+            if not waitable.done:
+                if waitable.futures is None:
+                    waitable.futures = []
                 waitable.futures.append(fut)
                 return
         waitable._resolve(fut)
@@ -383,14 +408,8 @@ class Session:
             self._doom_waits_needing(rank)
             self._detect_deadlock()
         problem: BaseException | None = None
-        unmatched = [w for w in left if not w.event.is_set()]
-        unwaited = [w for w in left if w.event.is_set()]
-        for w in unwaited:  # as gloo would have: the caller's tensors hold the result
-            if w.error is None:
-                try:
-                    w.finish_once()
-                except Exception:
-                    pass
+        unmatched = [w for w in left if not w.done]
+        unwaited = [w for w in left if w.done]  # their outputs hold the result, as gloo's would
         if left and self.aborted is None:
             lines = [
                 f"  never waited, and unmatched when the rank finished (missing ranks {w.waiting_for()}): "
@@ -443,7 +462,7 @@ class Session:
             return
         if len(self.pending) + len(self.done) < self.world_size:
             return  # someone is still running and may yet arrive
-        if any(w.event.is_set() for w in self.pending.values()):
+        if any(w.done for w in self.pending.values()):
             return
         lines = []
         for rank in sorted(self.pending):
@@ -481,7 +500,7 @@ class Session:
             for r in self.ranks:
                 waits.extend(r.open.values())
             for w in waits:
-                if not w.event.is_set():
+                if not w.done:
                     w.complete(WorldAborted(str(reason)))
         self.abort_event.set()
         return True
