@@ -234,9 +234,11 @@ class AllReduce(Call):
     def deliver(self, calls: Sequence[Call]) -> dict[int, BaseException]:
         ts: list[torch.Tensor] = [c.tensor for c in calls]  # type: ignore[attr-defined]
         first = ts[0]
-        if not (_large(first) and first.is_contiguous() and _outputs_apart(ts, ())):
+        if not (first.is_contiguous() and _outputs_apart(ts, ())):
             return super().deliver(calls)
-        # In place: fold into rank 0's tensor (its own input is the first operand), then copy it out.
+        # In place at every size (the aliasing check costs less than the staging copy; a group of one
+        # rank then moves nothing): fold into rank 0's tensor, whose own input is the first operand, then
+        # copy it out. Tensors that share storage across ranks take the staged path.
         assert self.reduce_op is not None
         check_reduce(self.reduce_op, first.dtype)
         result = reduce_into(self.reduce_op, first, ts[1:], len(ts))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import itertools
 import os
 import queue
@@ -48,6 +49,34 @@ _WARM_PREFIX = "dstest-warm"
 _crew_ids = itertools.count(1)
 #: Seconds an aborted world gives its ranks to leave their function before it names them as stuck.
 ABORT_GRACE_S = 1.0
+
+
+class _CollectorPaused:
+    """The cyclic garbage collector off while a world's rank threads start, on again when every rank
+    has formed its default group (``started``) or the start failed (``release``).
+
+    Starting N ranks allocates O(N) objects in a process that already holds torch's; the collector's
+    full passes then grow with N too, so a start of thousands of ranks spent most of its time in them
+    (measured in ``benchmarks/bench_threaded.py``). Nothing is leaked: collection is only deferred.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self._lock = threading.Lock()
+        self._left = world_size
+        self._was_enabled = gc.isenabled()
+        if self._was_enabled:
+            gc.disable()
+
+    def started(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left == 0:
+                self.release()
+
+    def release(self) -> None:
+        if self._was_enabled:
+            self._was_enabled = False
+            gc.enable()
 
 
 def warm_thread_cap() -> int:
@@ -266,9 +295,13 @@ class _WarmCrew:
             threading.Thread(target=self._main, args=(r,), name=f"{_WARM_PREFIX}{crew}-rank{r}", daemon=True)
             for r in range(world_size)
         ]
-        for t in self.threads:
-            t.start()
-        self._phase.all_done.wait()
+        paused = _CollectorPaused(world_size)
+        try:
+            for t in self.threads:
+                t.start()
+            self._phase.all_done.wait()
+        finally:
+            paused.release()
         if self._phase.errors:
             self.close()
             raise next(iter(self._phase.errors.values()))
@@ -491,11 +524,13 @@ class ThreadedWorld:
         session = ThreadedSession(world_size)
         outcome = Outcome(world_size)
         phase = _Countdown(world_size)
+        paused = _CollectorPaused(world_size)
         with _compat.thread_local_c10d_world(_capture_rank_for_thread, _seed_hook, translate_group) as c10d_world:
 
             def rank_main(rank: int) -> None:
                 try:
                     with rank_process_group(c10d_world, session, rank, device, timedelta(seconds=timeout)):
+                        paused.started()
                         _call_rank(session, rank, fn, make_ctx(rank), args, kwargs, outcome)
                 except BaseException as exc:  # init failed, or an abort landed outside the body
                     outcome.fail(rank, exc, consequence=_is_consequence(session, exc))
@@ -508,9 +543,12 @@ class ThreadedWorld:
                 threading.Thread(target=rank_main, args=(r,), name=f"{_THREAD_PREFIX}{r}", daemon=True)
                 for r in range(world_size)
             ]
-            for t in threads:
-                t.start()
-            notes = _await_ranks(phase, session, threads, timeout, outcome)
+            try:
+                for t in threads:
+                    t.start()
+                notes = _await_ranks(phase, session, threads, timeout, outcome)
+            finally:
+                paused.release()  # a rank whose start failed never reports started
             left = reap(threads, self.grace if notes else 0.5)
             if left and not notes:
                 notes = f"\nthreads that could not be stopped (stuck in C code; never reused): {left}"
