@@ -26,6 +26,9 @@ _EXPORTS = {
     "run": "dstest.specification",
     "spec": "dstest.specification",
     "RankContext": "dstest.context",
+    "CommView": "dstest.worlds._trace",
+    "Recording": "dstest.worlds._trace",
+    "recording": "dstest.worlds._trace",
     "CollectiveMismatch": "dstest.errors",
     "Deviation": "dstest.errors",
     "DstestError": "dstest.errors",
@@ -95,3 +98,6 @@ if TYPE_CHECKING:
     from dstest.worlds import WORLD_NAMES as WORLD_NAMES
     from dstest.worlds import World as World
     from dstest.worlds import get_world as get_world
+    from dstest.worlds._trace import CommView as CommView
+    from dstest.worlds._trace import Recording as Recording
+    from dstest.worlds._trace import recording as recording

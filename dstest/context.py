@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from dstest.groups import GroupBuilder
     from dstest.targets.base import Target
+    from dstest.worlds._trace import CommView
 
 __all__ = ["RankContext", "current_context", "rank_seed"]
 
@@ -55,6 +56,7 @@ class RankContext:
     _groups: GroupBuilder | None = field(default=None, init=False, repr=False)
     _target: Target | None = field(default=None, init=False, repr=False)
     _target_factory: Callable[[], Target] | None = field(default=None, init=False, repr=False)
+    _comm: CommView | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.generator = torch.Generator(device="cpu")
@@ -110,6 +112,35 @@ class RankContext:
                 )
             self._target = factory()
         return self._target
+
+    @property
+    def comm(self) -> CommView:
+        """Counts and bytes of this rank's collectives and transfers in this run (G2), in every world.
+
+        Per rank::
+
+            with ctx.comm.window() as w:             # only what the block posts
+                dist.all_gather_into_tensor(out, shard)
+            w.count("all_gather_into_tensor") == 1
+            w.numel("all_gather_into_tensor") == out.numel()   # W x shard.numel()
+            w.bytes() == out.numel() * out.element_size()
+
+        ``ctx.comm.counts()`` is ``{op: calls}`` of the run so far; ``group=`` narrows any count to one
+        process group. What each collective counts is listed in :mod:`dstest.worlds._trace`.
+        """
+        if self._comm is None:
+            from dstest.errors import InvalidSpec
+
+            raise InvalidSpec(
+                f"ctx.comm on rank {self.rank} of the {self.world!r} world: this world records no collectives "
+                "(dstest's threaded, fake and process (gloo) worlds do; a plug-in world attaches a recorder "
+                "with ctx.attach_comm)"
+            )
+        return self._comm
+
+    def attach_comm(self, view: CommView) -> None:
+        """Make ``view`` this rank's ``ctx.comm`` (worlds call this when they make the context)."""
+        self._comm = view
 
     def bind_target(self, name: str, factory: Callable[[], Target]) -> None:
         """Make ``factory()`` (made on first use) this rank's ``ctx.target``; the spec layer calls this."""

@@ -26,6 +26,8 @@ OPT_SEED = "--dstest-seed"
 OPT_MARK_UNMARKED = "--dstest-mark-unmarked"
 OPT_WORLD_SIZES = "--dstest-world-sizes"
 OPT_SPECS = "--dstest-specs"
+OPT_TRACE = "--dstest-trace"
+OPT_ASYNC_HAZARDS = "--dstest-async-hazards"
 
 _MARKERS = {
     "cpu": "runs on CPU only (simulated worlds, gloo processes). Provided by dstest.",
@@ -163,6 +165,35 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="cpu|gpu",
         help="give tests that carry neither the cpu nor the gpu marker this one, so -m cpu keeps them",
     )
+    _add_observation_options(group)
+
+
+def _parse_trace_dir(value: str) -> str:
+    import os
+
+    if not value.strip():
+        raise pytest.UsageError(f"{OPT_TRACE}={value!r}: give a directory to write the trace files into")
+    if os.path.exists(value) and not os.path.isdir(value):
+        raise pytest.UsageError(f"{OPT_TRACE}={value!r}: is a file; give a directory (made if missing)")
+    return value
+
+
+def _add_observation_options(group: Any) -> None:
+    group.addoption(
+        OPT_TRACE,
+        type=_parse_trace_dir,
+        default=None,
+        metavar="DIR",
+        help="write every test's world runs as Chrome-trace JSON (DIR/<test id>.json; open in ui.perfetto.dev). "
+        "Without it, a failing test's trace goes to pytest's cache (.pytest_cache/d/dstest-traces)",
+    )
+    group.addoption(
+        OPT_ASYNC_HAZARDS,
+        action="store_true",
+        default=False,
+        help="poison the outputs of async_op=True collectives and irecvs until they are waited (NaN, "
+        "integers 0xA5 bytes), so code that reads them early fails; threaded worlds only",
+    )
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -218,6 +249,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "timeout": (OPT_TIMEOUT, config.getoption(OPT_TIMEOUT)),
         "target": (OPT_TARGET, config.getoption(OPT_TARGET)),
         "seed": (OPT_SEED, config.getoption(OPT_SEED)),
+        "async_hazards": (OPT_ASYNC_HAZARDS, config.getoption(OPT_ASYNC_HAZARDS)),
     }
     try:
         config.stash[fixtures.SETTINGS_KEY] = Settings(**{key: value for key, (_, value) in values.items()})
@@ -297,6 +329,41 @@ def _check_placement(metafunc: pytest.Metafunc, info: Any) -> None:
     )
     # A collection error that shows only this message (pytest's own frames would bury it).
     pytest.fail(f"{type(error).__name__}: {error}", pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    """Record the world runs of the test; write their trace (``--dstest-trace``, or on failure)."""
+    from dstest.worlds import _trace  # light: no torch import
+
+    failed = False
+    with _trace.recording() as rec:
+        try:
+            return (yield)
+        except BaseException as exc:
+            failed = not isinstance(exc, (pytest.skip.Exception, pytest.xfail.Exception))
+            raise
+        finally:
+            _write_trace(item, rec, failed)
+
+
+def _write_trace(item: pytest.Item, rec: Any, failed: bool) -> None:
+    import os
+    import re
+
+    if not rec.runs:
+        return
+    folder = item.config.getoption(OPT_TRACE)
+    if folder is None:
+        cache = getattr(item.config, "cache", None)
+        if not failed or cache is None:
+            return
+        folder = str(cache.mkdir("dstest-traces"))
+    for run in rec.runs:
+        run.label = run.label or item.nodeid
+    name = re.sub(r"[^A-Za-z0-9_.=-]+", "_", item.nodeid).strip("_")[:200] + ".json"
+    path = rec.write(os.path.join(folder, name))
+    item.add_report_section("call", "dstest trace", f"{path} (open in https://ui.perfetto.dev or chrome://tracing)")
 
 
 @pytest.hookimpl(wrapper=True)

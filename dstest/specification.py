@@ -83,6 +83,7 @@ class SpecInfo:
     contract: str | None
     body: Callable[..., Any] | None = None
     method: bool = False
+    async_hazards: bool = False
 
     @property
     def name(self) -> str:
@@ -113,11 +114,13 @@ class Settings:
     timeout: float = 60.0
     target: str = "impl"
     seed: int = 0
+    async_hazards: bool = False
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout)
         check_target(self.target)
         check_seed(self.seed)
+        check_async_hazards(self.async_hazards)
 
 
 def _as_sizes(world_size: object) -> tuple[int, ...]:
@@ -163,6 +166,26 @@ def _as_worlds(worlds: object) -> tuple[str, ...] | None:
     if repeated:
         raise InvalidArgument(f"worlds={list(names)!r}: lists {repeated} more than once; give each world once")
     return names
+
+
+#: Worlds that can poison unwaited outputs (``async_hazards=True``); the nccl world runs on the threaded
+#: world when GPUs are fewer than ranks and runs plain NCCL otherwise.
+HAZARD_WORLDS = ("threaded", "threaded-cuda", "nccl")
+
+
+def check_async_hazards(value: object, worlds: Sequence[str] | None = None) -> bool:
+    """``async_hazards`` must be a bool; with True, explicit ``worlds`` must be ones that can poison."""
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"async_hazards={value!r}: must be True or False, got a {type(value).__name__}")
+    if value and worlds is not None:
+        other = [w for w in worlds if w not in HAZARD_WORLDS]
+        if other:
+            raise InvalidArgument(
+                f"async_hazards=True with worlds={list(worlds)!r}: {other} cannot poison unwaited outputs "
+                f"(the fake world moves no data, gloo and NCCL write outputs themselves); allowed worlds: "
+                f"{list(HAZARD_WORLDS)}"
+            )
+    return value
 
 
 def _defined_in_class(fn: Callable[..., Any]) -> bool:
@@ -268,12 +291,15 @@ def spec(
     worlds: Sequence[str] | None = None,
     timeout: float | None = None,
     contract: str | None = None,
+    async_hazards: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare a spec: ``fn(ctx, **params)`` runs on every rank of each (world, world size).
 
     ``worlds`` defaults to :data:`dstest.worlds.DEFAULT_WORLDS` (threaded on CPU, NCCL on GPUs);
     ``timeout`` (seconds, see :func:`dstest.worlds.protocol.check_timeout`) overrides ``--dstest-timeout``;
-    ``contract`` names the SPEC.md line the spec checks (shown in reports).
+    ``contract`` names the SPEC.md line the spec checks (shown in reports). ``async_hazards=True``
+    poisons the outputs of async collectives and irecvs until they are waited (see
+    :mod:`dstest.worlds._hazards`; threaded worlds only, like ``--dstest-async-hazards``).
 
     In a test class, write ``def test_x(self, ctx, ...)``: ``self`` is the instance pytest made (shared by
     the ranks of in-process worlds, a pickled copy per rank in the process world), ``ctx`` the rank's
@@ -284,6 +310,7 @@ def spec(
     seconds = None if timeout is None else check_timeout(timeout)
     if contract is not None and not isinstance(contract, str):
         raise InvalidArgument(f"contract={contract!r}: must be a str naming a SPEC.md line (e.g. 'A4'), or None")
+    check_async_hazards(async_hazards, names)
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         check_rank_function(fn, "@dstest.spec body")
@@ -297,6 +324,7 @@ def spec(
             contract=contract,
             body=fn,
             method=method,
+            async_hazards=async_hazards,
         )
 
         if method:
@@ -380,6 +408,7 @@ def run(
     timeout: float = 60.0,
     seed: int = 0,
     target: str = "impl",
+    async_hazards: bool = False,
 ) -> list[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on every rank of a world; returns per-rank results.
 
@@ -392,7 +421,9 @@ def run(
     see :class:`TargetBinding`). Every argument is checked before anything starts
     (:mod:`dstest.worlds.protocol`): an unknown world or target, a timeout that is not a finite positive
     number of seconds (at most a day), a world size that is not an int >= 1, or a generator or
-    ``async def`` ``fn`` raise :class:`InvalidArgument`.
+    ``async def`` ``fn`` raise :class:`InvalidArgument`. ``async_hazards=True`` poisons unwaited
+    async outputs (:mod:`dstest.worlds._hazards`; threaded worlds). Wrap the call in
+    :func:`dstest.recording` to keep its collective trace.
     """
     info = spec_info(fn)
     if info is not None:
@@ -402,7 +433,8 @@ def run(
     check_seed(seed)  # None is "not given" to check_run_arguments; here it is a bad value
     check_target(target)
     check_world_name(world)
-    from dstest.worlds import get_world
+    check_async_hazards(async_hazards, [world])
+    from dstest.worlds import _trace, get_world
 
     instance = get_world(world)
     binding = TargetBinding(target)
@@ -411,7 +443,8 @@ def run(
         kwargs = {**(kwargs or {}), TARGET_ARG: binding}
     else:
         call = RankCall(fn, binding)  # binding(ctx) on every rank, then fn
-    results = instance.run(call, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed)
+    with _trace.run_options(async_hazards=async_hazards):
+        results = instance.run(call, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed)
     _refuse_unrun_results(results, fn, generators=False)
     return results
 
@@ -460,7 +493,7 @@ def run_spec(
     """
     import pytest
 
-    from dstest.worlds import get_world
+    from dstest.worlds import _trace, get_world
 
     world = get_world(case.world)
     reason = world.unavailable_reason(case.world_size)
@@ -472,8 +505,10 @@ def run_spec(
     timeout = info.timeout or settings.timeout
     check_run_arguments(case.world_size, timeout, info.fn, kwargs=kwargs, seed=settings.seed, target=settings.target)
     kwargs[TARGET_ARG] = TargetBinding(settings.target)  # the adapter (info.fn) binds it on every rank
+    hazards = (info.async_hazards or settings.async_hazards) and case.world in HAZARD_WORLDS
     try:
-        results = world.run(info.fn, case.world_size, kwargs=kwargs, timeout=timeout, seed=settings.seed)
+        with _trace.run_options(async_hazards=hazards):
+            results = world.run(info.fn, case.world_size, kwargs=kwargs, timeout=timeout, seed=settings.seed)
     except RankFailure as failure:
         from dstest.errors import WorldAborted
 

@@ -34,7 +34,7 @@ import torch
 
 from dstest.errors import CollectiveMismatch, InvalidArgument, UnfinishedWork, WorkAborted, WorldAborted
 from dstest.worlds import _collectives as C
-from dstest.worlds import _compat
+from dstest.worlds import _compat, _hazards, _trace
 
 __all__ = ["Done", "Session", "Waitable"]
 
@@ -47,6 +47,8 @@ class Waitable:
     """
 
     where = ""
+    record: _trace.CallRecord | None = None  # what the run's recorder keeps of this call (see _trace)
+    after: Any = None  # with async hazards: copies the result into the caller's tensors at the wait
 
     def __init__(self, session: Any, global_rank: int) -> None:
         self.session = session
@@ -71,6 +73,8 @@ class Waitable:
         if self.done:
             return
         self.error = self.error or error
+        if self.record is not None:
+            self.record.finished(self.error)
         self.done = True
         waiter = self._waiter
         if waiter is not None:
@@ -89,6 +93,8 @@ class Waitable:
             self.session.note_raised(self.global_rank, err)
             fut.set_exception(err)
             return
+        if self.after is not None:
+            self.after()
         fut.set_result(self.outputs())
 
 
@@ -205,6 +211,8 @@ class Session:
         self.abort_event = threading.Event()
         self.groups: dict[tuple[Any, int], Any] = {}  # (group key, global rank) -> that rank's group
         self.ranks = [_RankState() for _ in range(world_size)]
+        self.recorder = _trace.current_recorder(world_size)
+        self.hazards = bool(_trace.option("async_hazards", False))
 
     def reset(self) -> None:
         """Start a new run on a warm session (called while no rank is inside a run)."""
@@ -214,6 +222,8 @@ class Session:
             self.aborted = None
             self.abort_event.clear()
             self.ranks = [_RankState() for _ in range(self.world_size)]
+            self.recorder = _trace.current_recorder(self.world_size)
+            self.hazards = bool(_trace.option("async_hazards", False))
 
     def leftovers(self) -> bool:
         """Whether a run left a collective or a transfer half done (then the session cannot be reused)."""
@@ -256,6 +266,8 @@ class Session:
         seq = group.next_seq()
         key = (group.key, seq)
         mine = call.key()
+        record = self.recorder.collective(group, call, seq, group.owner)
+        after = _hazards.guard_call(call) if self.hazards else None
         with self.lock:
             if self.aborted is not None:
                 self._check_alive()
@@ -263,7 +275,9 @@ class Session:
             if ex is None:
                 ex = self.exchanges[key] = Exchange(group, seq)
             wait = CollectiveWait(self, ex.global_ranks[call.group_rank], call, ex)
+            wait.record, wait.after = record, after
             if ex.error is not None:
+                record.finished(ex.error)
                 raise self._raise(wait.global_rank, ex.error)
             if ex.first is None:
                 ex.first, ex.first_key = call, mine
@@ -275,6 +289,7 @@ class Session:
                     f"collective mismatch on {ex.where}", first_rank, ex.first, wait.global_rank, call, why
                 )
                 self._fail_exchange(ex, err)
+                record.finished(err)
                 raise self._raise(wait.global_rank, err)
             ex.calls[call.group_rank] = call
             ex.missing -= 1
@@ -333,6 +348,9 @@ class Session:
         src, dst = (me, peer) if kind == "send" else (peer, me)
         where = f"group {group.label}"
         wait = P2PWait(self, group.global_ranks[me], kind, tensor, group.global_ranks[peer], where, tag)
+        record = wait.record = self.recorder.p2p(group, kind, tensor, wait.peer, tag, wait.global_rank)
+        if self.hazards and kind == "recv":
+            _hazards.guard_recv(wait)
         with self.lock:
             self._check_alive()
             if wait.peer in self.done:
@@ -340,6 +358,7 @@ class Session:
                     f"rank {wait.global_rank} posted {wait.describe()}, but rank {wait.peer} has already "
                     "finished its function: the transfer can never complete"
                 )
+                record.finished(err)
                 raise self._raise(wait.global_rank, err)
             sends, recvs = self.p2p.setdefault((group.key, src, dst, tag), (deque(), deque()))
             mine, theirs = (sends, recvs) if kind == "send" else (recvs, sends)
@@ -367,6 +386,9 @@ class Session:
     def wait(self, waitable: Waitable) -> None:
         rank = waitable.global_rank
         waiter = None
+        record = waitable.record
+        if record is not None:
+            record.waiting(self.recorder.logs.get(rank))
         with self.lock:
             self.consume(waitable)
             if not waitable.done:
@@ -379,8 +401,12 @@ class Session:
                 self._detect_deadlock()
         if waiter is not None:
             waiter.acquire()
+        if record is not None:
+            record.waited()
         if waitable.error is not None:
             raise self._raise(rank, waitable.error)
+        if waitable.after is not None:
+            waitable.after()
 
     def hand_out_future(self, waitable: Waitable, fut: torch.futures.Future[Any]) -> None:
         """Resolve ``fut`` when ``waitable`` completes (at once if it has)."""

@@ -18,7 +18,7 @@ import torch
 from dstest.context import RankContext
 from dstest.errors import InvalidArgument, RankFailure, WorldTimeout
 from dstest.worlds import _collectives as C
-from dstest.worlds import _compat
+from dstest.worlds import _compat, _trace
 from dstest.worlds._backend import rank_process_group, register_backend
 from dstest.worlds._reports import format_exception
 from dstest.worlds._session import Done
@@ -30,25 +30,32 @@ __all__ = ["FakeWorld"]
 class _FakeSession:
     """Stands in for the threaded world's session: every call completes at once, after local checks."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, recorder: _trace.Recorder | None = None) -> None:
         self.world_size = world_size
         self.lock = threading.Lock()
         self.store = _compat.hash_store()
-        self.calls: dict[str, int] = {}
+        self.recorder = recorder if recorder is not None else _trace.Recorder(world_size, "fake")
 
     def arrive(self, group: Any, call: C.Call) -> Done:
         call.check_local()
-        group.next_seq()
-        self.calls[call.op] = self.calls.get(call.op, 0) + 1
-        return Done(self, group.global_ranks[group.rank_], call.outputs())
+        seq = group.next_seq()
+        done = Done(self, group.owner, call.outputs())
+        done.record = self.recorder.collective(group, call, seq, group.owner)
+        done.record.finished(None)
+        return done
 
     def post_p2p(self, group: Any, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> Done:
         if not 0 <= peer < group.size_:
             raise InvalidArgument(f"{kind}: peer rank {peer} is not in the group (size {group.size_})")
-        self.calls[kind] = self.calls.get(kind, 0) + 1
-        return Done(self, group.global_ranks[group.rank_], [tensor])
+        done = Done(self, group.owner, [tensor])
+        done.record = self.recorder.p2p(group, kind, tensor, group.global_ranks[peer], tag, group.owner)
+        done.record.finished(None)
+        return done
 
     def wait(self, waitable: Any) -> None:
+        if waitable.record is not None:
+            waitable.record.waiting(self.recorder.logs.get(waitable.global_rank))
+            waitable.record.waited()
         if waitable.error is not None:
             raise waitable.error
 
@@ -93,6 +100,20 @@ class FakeWorld:
         if bad:
             raise InvalidArgument(f"ranks={list(ranks)}: {bad} not in 0..{world_size - 1}")
         register_backend()
+        with _trace.world_run(self.name, world_size) as recorder:
+            return self._run(fn, world_size, ranks, args, kwargs or {}, timeout, seed, recorder)
+
+    def _run(
+        self,
+        fn: Callable[..., Any],
+        world_size: int,
+        ranks: Sequence[int],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        timeout: float,
+        seed: int,
+        recorder: _trace.Recorder,
+    ) -> list[Any]:
         results: list[Any] = []
         with _compat.thread_local_c10d_world() as c10d_world:
             for rank in ranks:
@@ -101,12 +122,13 @@ class FakeWorld:
                 def rank_main(rank: int = rank, box: dict[str, Any] = box) -> None:
                     device = torch.device("cpu")
                     ctx = RankContext(rank=rank, world_size=world_size, world=self.name, device=device, seed=seed)
+                    ctx.attach_comm(recorder.view(rank))
                     try:
-                        session = _FakeSession(world_size)
+                        session = _FakeSession(world_size, recorder)
                         with rank_process_group(c10d_world, session, rank, device, timedelta(seconds=timeout)):
                             token = ctx.bind()
                             try:
-                                box["result"] = fn(ctx, *args, **(kwargs or {}))
+                                box["result"] = fn(ctx, *args, **kwargs)
                             finally:
                                 RankContext.unbind(token)
                     except BaseException as exc:

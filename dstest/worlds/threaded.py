@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from dstest.context import RankContext, current_context
 from dstest.errors import InvalidArgument, WorkAborted, WorldAborted
-from dstest.worlds import _compat
+from dstest.worlds import _compat, _trace
 from dstest.worlds._backend import BACKEND_NAME, binding, rank_process_group, register_backend, translate_group
 from dstest.worlds._reports import Outcome, interrupt, reap, stacks_of, stuck_threads, timeout_error
 from dstest.worlds._session import Session
@@ -492,13 +492,28 @@ class ThreadedWorld:
         seed: int = 0,
     ) -> list[Any]:
         check_run_arguments(world_size, timeout, fn, args=args, kwargs=kwargs, seed=seed)
+        with _trace.world_run(self.name, world_size):
+            return self._run(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed)
+
+    def _run(
+        self,
+        fn: Callable[..., Any],
+        world_size: int,
+        *,
+        args: Sequence[Any],
+        kwargs: dict[str, Any] | None,
+        timeout: float,
+        seed: int,
+    ) -> list[Any]:
         register_backend()
         device = torch.device(self.device)
 
         def make_ctx(rank: int) -> RankContext:
-            return RankContext(
+            ctx = RankContext(
                 rank=rank, world_size=world_size, world=self.name, device=device, seed=seed
             )
+            ctx.attach_comm(binding.session.recorder.view(rank))
+            return ctx
 
         crew = _CREWS.checkout(device, world_size) if self.warm else None
         if crew is not None:

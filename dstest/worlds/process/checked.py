@@ -87,10 +87,14 @@ def _make_checked_group_class() -> type:
 
         def wait(self, timeout: Any = None) -> bool:
             rec = self._rec
-            self._checker.wait_verdict(rec)
-            if rec.inner is None:
-                return True
-            return bool(rec.inner.wait() if timeout is None else rec.inner.wait(timeout))
+            try:
+                self._checker.wait_verdict(rec)
+                if rec.inner is None:
+                    return True
+                return bool(rec.inner.wait() if timeout is None else rec.inner.wait(timeout))
+            finally:
+                if rec.record is not None:
+                    rec.record.waited()
 
         def is_completed(self) -> bool:
             rec = self._rec
@@ -248,7 +252,8 @@ def _make_checked_group_class() -> type:
             call.check_local()
             seq = self._next_seq()
             what = f"{call.describe()} on group {self.label} (seq {seq})"
-            rec = checker.post(("post", self.gid, self.members, seq, call), what, issue)
+            record = checker.recorder.collective(self, call, seq, self.members[self.rank_])
+            rec = checker.post(("post", self.gid, self.members, seq, call), what, issue, record)
             return CheckedWork(checker, rec)
 
         def _p2p(self, kind: str, t: Any, peer: int, tag: int, issue: Callable[[], Any]) -> Any:
@@ -262,7 +267,8 @@ def _make_checked_group_class() -> type:
             arrow = "to" if kind == "send" else "from"
             what = f"{kind}({C.describe_tensor(t)} {arrow} rank {self.members[peer]}, tag={tag}) on group {self.label}"
             msg = ("p2p", self.gid, self.members, kind, self.rank_, peer, tag, _Meta.of(t), what)
-            return CheckedWork(checker, checker.post(msg, what, issue))
+            record = checker.recorder.p2p(self, kind, t, self.members[peer], tag, self.members[self.rank_])
+            return CheckedWork(checker, checker.post(msg, what, issue, record))
 
         def _op(self, opts: Any) -> str:
             return _compat.reduce_op_name(opts.reduceOp)

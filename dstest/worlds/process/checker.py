@@ -19,6 +19,7 @@ from dstest.errors import (
     UnfinishedWork,
     WorldAborted,
 )
+from dstest.worlds import _trace
 
 # Cross-rank checking, worker side
 # ------------------------------------------------------------------------------------------------------
@@ -51,7 +52,7 @@ _CHECK_ACK_S = 30.0  # seconds a rank waits for the referee to acknowledge the e
 class _Record:
     """One posted call of this rank: its verdict, the gloo work issued for it, whether anyone waited."""
 
-    __slots__ = ("callbacks", "error", "event", "inner", "issue", "issue_error", "post_id", "waited", "what")
+    __slots__ = ("callbacks", "error", "event", "inner", "issue", "issue_error", "post_id", "record", "waited", "what")
 
     def __init__(self, post_id: int, what: str, issue: Callable[[], Any]) -> None:
         self.post_id = post_id
@@ -63,6 +64,7 @@ class _Record:
         self.issue_error: BaseException | None = None  # gloo refused the call when it was issued
         self.waited = False
         self.callbacks: list[Callable[[], None]] = []
+        self.record: Any = None  # the run's trace record of the call (dstest.worlds._trace)
 
 
 def _check_error(kind: str, message: str) -> BaseException:
@@ -86,6 +88,7 @@ class _Checker:
         self.raised: list[str] = []  # mismatches raised on this rank during the run
         self.next_id = 0
         self.acked = threading.Event()
+        self.recorder = _trace.Recorder(world_size, "process")
         self.listener = threading.Thread(target=self._listen, name="dstest-check-listener", daemon=True)
         self.listener.start()
 
@@ -107,6 +110,7 @@ class _Checker:
             self.raised = []
             self.next_id = 0
             self.acked.clear()
+            self.recorder = _trace.Recorder(self.world_size, "process")
 
     def end(self, failure: BaseException | None) -> tuple[BaseException | None, str | None]:
         """Close this rank's run with the referee; returns (the error the run must fail with, why the
@@ -161,11 +165,12 @@ class _Checker:
         return None, unhealthy
 
     # -- posting ------------------------------------------------------------------------------------------
-    def post(self, msg: tuple[Any, ...], what: str, issue: Callable[[], Any]) -> _Record:
+    def post(self, msg: tuple[Any, ...], what: str, issue: Callable[[], Any], record: Any = None) -> _Record:
         """Send one call's description (``msg`` without run and post ids) and return its record."""
         with self.lock:
             self.next_id += 1
             rec = _Record(self.next_id, what, issue)
+            rec.record = record
             self.records[rec.post_id] = rec
             self.posted.append(rec)
             run_id = self.run_id
@@ -174,6 +179,8 @@ class _Checker:
 
     def wait_verdict(self, rec: _Record) -> None:
         rec.waited = True
+        if rec.record is not None:
+            rec.record.waiting(self.recorder.logs.get(self.rank))
         if not rec.event.is_set():
             with contextlib.suppress(EOFError, OSError):
                 self._send(("wait", self.run_id, rec.post_id))
@@ -209,6 +216,8 @@ class _Checker:
                     rec.issue_error = exc
             else:
                 rec.error = (msg[3], msg[4])
+            if rec.record is not None:
+                rec.record.finished(_check_error(*rec.error) if rec.error is not None else rec.issue_error)
             with self.lock:
                 rec.event.set()
                 callbacks = list(rec.callbacks)

@@ -48,6 +48,7 @@ class _Reply(NamedTuple):
     exception: bytes | None  # pickled exception, if it pickles (not ok)
     output: str  # what the rank printed during the run (stdout and stderr, interleaved)
     unhealthy: str | None  # why this worker cannot serve another run (it destroyed the world group, ...)
+    trace: Any = None  # the rank's collective records and totals (_trace.Recorder.export), gloo pools
 
 
 @dataclass(frozen=True)

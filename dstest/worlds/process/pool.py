@@ -26,6 +26,7 @@ from dstest.errors import (
     WorldTimeout,
 )
 from dstest.resets import registered as registered_resets
+from dstest.worlds import _trace
 from dstest.worlds._reports import format_stacks
 from dstest.worlds.process.launch import _free_port, _mp_context, _threads_per_rank
 from dstest.worlds.process.messages import _STOP, _Command, _FnRef, _PoolKey, _Reply, _unpickle_exception, _WorkerConfig
@@ -285,12 +286,14 @@ class _Pool:
             raise
         for r in sorted(replies):
             _forward_output(r, replies[r].output)
+        _take_traces(replies, W)
 
         label = self._label()
         if dead:
             for d in dead:
                 d.process.join(1.0)
             others = self._collect_quietly(replies)
+            _take_traces({r: rep for r, rep in others.items() if r not in replies}, W)
             names = ", ".join(f"rank {d.rank} (pid {d.pid}) {d.describe_exit()}" for d in dead)
             outputs = "".join(
                 f"---- output of rank {d.rank} during the run ----\n{d.output_since(log_starts[d.rank])}\n"
@@ -468,6 +471,15 @@ def _rank_failure(
         dict(sorted(tracebacks.items())),
         dict(sorted(exceptions.items())),
     )
+
+
+def _take_traces(replies: dict[int, _Reply], world_size: int) -> None:
+    """The ranks' collective records, into the recorder of the run (see ``_trace.world_run``)."""
+    recorder = _trace.current_recorder(world_size)
+    for r, rep in sorted(replies.items()):
+        if rep.trace is not None:
+            records, totals = rep.trace
+            recorder.merge(r, records, totals)
 
 
 def _forward_output(rank: int, text: str) -> None:

@@ -194,6 +194,8 @@ class _Server:
                 device=self.device,
                 seed=cmd.seed,
             )
+            if self.checker is not None:
+                ctx.attach_comm(self.checker.recorder.view(rank))
             # Processes, unlike threads, own their global RNGs: seed them too, so that a spec drawing from
             # torch.randn is as deterministic as one using ctx.generator (E5).
             torch.manual_seed(rank_seed(cmd.seed, rank))
@@ -231,7 +233,8 @@ class _Server:
             tb = "".join(traceback.format_exception(failure))
             exc_blob = _pickle_exception(failure)
         unhealthy = self._end_run() or check_unhealthy
-        return _Reply(run_id, rank, ok, result, tb, exc_blob, self._output_since(start), unhealthy)
+        trace = self.checker.recorder.export(rank) if self.checker is not None else None
+        return _Reply(run_id, rank, ok, result, tb, exc_blob, self._output_since(start), unhealthy, trace)
 
     # -- finding the function ------------------------------------------------------------------------
     def _resolve(self, ref: _FnRef) -> Callable[..., Any]:

@@ -11,6 +11,7 @@ from typing import Any
 from dstest.errors import (
     UnguardedMain,
 )
+from dstest.worlds import _trace
 from dstest.worlds.process.messages import _FnRef, _PoolKey
 from dstest.worlds.process.pool import _Pool
 from dstest.worlds.process.refs import _reference
@@ -170,15 +171,16 @@ class ProcessWorld:
         setup = fn.setup if isinstance(fn, RankCall) else None
         ref = _reference(fn.fn if isinstance(fn, RankCall) else fn)
         key = _PoolKey(self.backend, self.device, world_size)
-        if world_size > warm_worker_cap():
-            return _run_cold(key, self.name, ref, tuple(args), dict(kwargs or {}), timeout, seed, setup)
-        pool = _pool_for(key, self.name)
-        with pool.lock:
-            try:
-                return pool.run(ref, tuple(args), dict(kwargs or {}), timeout, seed, setup)
-            finally:
-                if pool.closed:
-                    _replace(pool)
+        with _trace.world_run(self.name, world_size):
+            if world_size > warm_worker_cap():
+                return _run_cold(key, self.name, ref, tuple(args), dict(kwargs or {}), timeout, seed, setup)
+            pool = _pool_for(key, self.name)
+            with pool.lock:
+                try:
+                    return pool.run(ref, tuple(args), dict(kwargs or {}), timeout, seed, setup)
+                finally:
+                    if pool.closed:
+                        _replace(pool)
 
     def prestart(self, world_sizes: Sequence[int]) -> None:
         """Start the pools of these world sizes without waiting: they warm up while other work runs."""
