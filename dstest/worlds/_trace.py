@@ -191,9 +191,9 @@ class CallRecord:
         """The rank starts waiting for this call (on its own thread)."""
         if self.t_wait is None:
             self.t_wait = _now()
-            self.wait_site = call_site(3)
-            if log is not None:
-                self.sync = log.last is self
+            self.sync = log is not None and log.last is self
+            # A blocking call waits where it was called; only a later wait needs its own site.
+            self.wait_site = self.site if self.sync else call_site(3)
 
     def waited(self) -> None:
         if self.t_waited is None:
@@ -417,8 +417,15 @@ def group_label(group: Any, world_size: int | None = None) -> str:
     return f"{name} {_abbrev(list(ranks))}"
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).replace("torch.", "")
+_DTYPE_NAMES: dict[Any, tuple[str, int]] = {}
+
+
+def _dtype_info(dtype: Any) -> tuple[str, int]:
+    """(name without "torch.", bytes per element) of a torch dtype."""
+    known = _DTYPE_NAMES.get(dtype)
+    if known is None:
+        known = _DTYPE_NAMES[dtype] = (str(dtype).replace("torch.", ""), int(getattr(dtype, "itemsize", 0) or 0))
+    return known
 
 
 def _size(t: Any) -> int:
@@ -456,8 +463,8 @@ def measure(call: Any) -> tuple[str, tuple[tuple[int, ...], ...], int, int]:
         shapes, n, dtype = (tuple(t.shape),), _size(t) * call.group_size, t.dtype
     else:  # barrier
         return ("", (), 0, 0)
-    itemsize = int(getattr(dtype, "itemsize", 0) or 0)
-    return (_dtype_name(dtype), shapes, n, n * itemsize)
+    name, itemsize = _dtype_info(dtype)
+    return (name, shapes, n, n * itemsize)
 
 
 # -- one run --------------------------------------------------------------------------------------------
@@ -507,11 +514,8 @@ class Recorder:
     def p2p(self, group: Any, kind: str, tensor: Any, peer: int, tag: int, rank: int) -> CallRecord:
         """Record a send or recv of ``tensor`` to / from global rank ``peer``."""
         n = _size(tensor)
-        dtype = tensor.dtype
-        rec = CallRecord(
-            rank, kind, self._label(group), None, _dtype_name(dtype), (tuple(tensor.shape),), n,
-            n * int(getattr(dtype, "itemsize", 0) or 0),
-        )  # fmt: skip
+        name, itemsize = _dtype_info(tensor.dtype)
+        rec = CallRecord(rank, kind, self._label(group), None, name, (tuple(tensor.shape),), n, n * itemsize)
         rec.peer = peer
         rec.tag = tag
         rec.site = call_site(3)
