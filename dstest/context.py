@@ -138,6 +138,11 @@ class RankContext:
             )
         return self._comm
 
+    @property
+    def records_comm(self) -> bool:
+        """Whether this world records collectives (``ctx.comm`` works): threaded, fake, process (gloo)."""
+        return self._comm is not None
+
     def attach_comm(self, view: CommView) -> None:
         """Make ``view`` this rank's ``ctx.comm`` (worlds call this when they make the context)."""
         self._comm = view

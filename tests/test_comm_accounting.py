@@ -237,3 +237,25 @@ def test_ctx_comm_without_a_recorder_is_a_clear_error() -> None:
     ctx = dstest.RankContext(rank=0, world_size=1, world="myworld", device=torch.device("cpu"))
     with pytest.raises(InvalidSpec, match=r"ctx\.comm on rank 0 of the 'myworld' world: this world records no"):
         ctx.comm.counts()
+
+
+def test_collectives_issued_falls_back_to_the_targets_count() -> None:
+    """In a world that records nothing (the launched world's plain gloo/NCCL) the bundled specs count
+    with the target's own counter of its last step."""
+    from types import SimpleNamespace
+
+    from dstest.specs._helpers import collectives_issued
+
+    target = SimpleNamespace(name="t", supports=lambda feature: True)
+    engine = SimpleNamespace(collective_counts=lambda: {"all_reduce": 2})
+    ctx = SimpleNamespace(records_comm=False, target=target)
+    with collectives_issued(ctx, engine) as issued:
+        assert issued == {}
+    assert issued == {"all_reduce": 2}
+
+    def body(ctx: Any) -> dict[str, int]:
+        with collectives_issued(ctx, None) as issued:
+            dist.all_reduce(torch.ones(1))
+        return issued
+
+    assert dstest.run(body, 2) == [{"all_reduce": 1}] * 2

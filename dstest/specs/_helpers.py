@@ -10,8 +10,9 @@ compare shards with (:func:`shared_randn`, :func:`block_offset`).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ __all__ = [
     "block_offset",
     "broadcast_tmpdir",
     "build",
+    "collectives_issued",
     "config",
     "gathered",
     "members",
@@ -344,3 +346,24 @@ def block_offset(full: torch.Tensor, shard: torch.Tensor, dim: int) -> int:
         if torch.equal(full.narrow(dim, o, n), shard):
             return o
     raise AssertionError(f"the shard {tuple(shard.shape)} is not a block of the full tensor {tuple(full.shape)}")
+
+
+@contextlib.contextmanager
+def collectives_issued(ctx: Any, engine: Any) -> Iterator[dict[str, int]]:
+    """The collectives a training step inside the block issues, by op (filled when the block ends).
+
+    Counted by the world (``ctx.comm``: every collective of the rank, on any group) where it records
+    them; in a world that does not (the launched world's plain gloo/NCCL), by the target's own count of
+    its last step (feature ``collective_counts``), the block then being one step from its backward on.
+    """
+    counts: dict[str, int] = {}
+    if ctx.records_comm:
+        with ctx.comm.window() as issued:
+            yield counts
+        counts.update(issued.counts())
+        return
+    from dstest.targets import require
+
+    require(ctx.target, "collective_counts")
+    yield counts
+    counts.update(engine.collective_counts())
