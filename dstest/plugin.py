@@ -337,7 +337,7 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
     from dstest.worlds import _trace  # light: no torch import
 
     failed = False
-    with _trace.recording() as rec:
+    with _trace.recording(full=item.config.getoption(OPT_TRACE) is not None) as rec:
         try:
             return (yield)
         except BaseException as exc:

@@ -23,8 +23,9 @@ send, recv                                  the tensor
 barrier                                     nothing
 ==========================================  ======================================================
 
-Counts and bytes are exact for every call (always on, a few microseconds per call); the list of records
-keeps the last :data:`RECORD_LIMIT` calls of each rank. The module imports no torch: the plugin uses it.
+Counts and bytes are exact for every call (always on); the records keep the last :data:`RING_LIMIT` calls
+of each rank, or :data:`RECORD_LIMIT` while a trace is asked for. The module imports no torch: the
+plugin uses it.
 """
 
 from __future__ import annotations
@@ -53,8 +54,12 @@ __all__ = [
     "world_run",
 ]
 
-#: Records kept per rank (the oldest are dropped beyond it; counts and bytes stay exact).
+#: Records kept per rank while a trace is asked for (``dstest.recording()``, ``--dstest-trace``); the
+#: oldest are dropped beyond it. Counts and bytes stay exact whatever is kept.
 RECORD_LIMIT = 100_000
+#: Records kept per rank otherwise: enough for a failure's timeline and its trace file. Keeping every
+#: record costs the garbage collector time in long runs (measured: benchmarks/bench_trace.py).
+RING_LIMIT = 256
 #: Calls per rank shown in a failure report's timeline.
 TIMELINE_CALLS = 6
 #: Ranks shown in a failure report's timeline (ranks with an unfinished or failed call first).
@@ -471,9 +476,10 @@ def measure(call: Any) -> tuple[str, tuple[tuple[int, ...], ...], int, int]:
 class Recorder:
     """The records of one world run: a :class:`RankLog` per rank that communicated."""
 
-    def __init__(self, world_size: int, world: str = "?") -> None:
+    def __init__(self, world_size: int, world: str = "?", limit: int = RECORD_LIMIT) -> None:
         self.world_size = world_size
         self.world = world
+        self.limit = limit
         self.label = ""  # what ran (a test id), for the trace's track names
         self.t0 = _now()
         self.t_end: int | None = None
@@ -487,7 +493,7 @@ class Recorder:
             with self._lock:
                 log = self.logs.get(rank)
                 if log is None:
-                    log = self.logs[rank] = RankLog(rank)
+                    log = self.logs[rank] = RankLog(rank, self.limit)
         return log
 
     def view(self, rank: int) -> CommView:
@@ -646,8 +652,9 @@ def write_chrome_trace(path: str | os.PathLike[str], recorders: Sequence[Recorde
 class Recording:
     """The world runs made in a ``with recording():`` block on this thread (:func:`recording`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, full: bool = True) -> None:
         self.runs: list[Recorder] = []
+        self.full = full
 
     def comm(self, rank: int, run: int = -1) -> CommView:
         """Counts and bytes of ``rank`` in a run (default: the last one)."""
@@ -677,15 +684,17 @@ _LOCAL = _Local()
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[Recording]:
+def recording(full: bool = True) -> Iterator[Recording]:
     """Record every world run made on this thread inside the block::
 
         with dstest.recording() as rec:
             dstest.run(fn, 4)
         rec.write("run.json")          # open in https://ui.perfetto.dev
         rec.comm(rank=0).counts()      # {"all_reduce": 1}
+
+    ``full``: keep up to :data:`RECORD_LIMIT` records per rank (else the last :data:`RING_LIMIT`).
     """
-    rec = Recording()
+    rec = Recording(full)
     _LOCAL.recordings.append(rec)
     try:
         yield rec
@@ -714,14 +723,15 @@ def current_recorder(world_size: int) -> Recorder:
     """The recorder of the world run this thread is starting (:func:`world_run`), else a fresh one."""
     if _LOCAL.runs and _LOCAL.runs[-1].world_size == world_size:
         return _LOCAL.runs[-1]
-    return Recorder(world_size)
+    return Recorder(world_size, limit=RING_LIMIT)
 
 
 @contextlib.contextmanager
 def world_run(world: str, world_size: int) -> Iterator[Recorder]:
     """Around one ``World.run``: the run's recorder; a failure report gets the timeline of the last calls
     of each rank, and the run goes to every :func:`recording` open on this thread."""
-    rec = Recorder(world_size, world)
+    full = any(r.full for r in _LOCAL.recordings)
+    rec = Recorder(world_size, world, RECORD_LIMIT if full else RING_LIMIT)
     _LOCAL.runs.append(rec)
     try:
         yield rec
