@@ -55,7 +55,7 @@ def _private(t: torch.Tensor) -> torch.Tensor:
 
 def _copy_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
     """What the wait runs: each private result into the caller's tensor, once, outside autograd."""
-    done = []
+    done: list[bool] = []
 
     def after() -> None:
         if done:
