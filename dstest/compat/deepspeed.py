@@ -414,7 +414,8 @@ _CHECKPOINTING_LISTS = ("contiguous_data_buffers", "data_offsets", "contiguous_s
 def reset_deepspeed() -> None:
     """Put DeepSpeed's process-global state back to what a fresh process has (nothing when DeepSpeed was
     never imported here): the communication backend (``deepspeed.comm``), the process groups cached in
-    ``deepspeed.utils.groups``, an open ZeRO-3 ``Init`` context and its buffers, activation checkpointing's
+    ``deepspeed.utils.groups``, an open ZeRO-3 ``Init`` context, its buffers and its replacement of
+    ``torch.nn.functional.linear``, activation checkpointing's
     configuration and buffers, and the accelerator if a test replaced it."""
     if "deepspeed" not in sys.modules:
         return
@@ -440,6 +441,15 @@ def reset_deepspeed() -> None:
         zero.top_level_context = None
         zero.empty_buffers.clear()
         zero.temp_contiguous_tensor = None
+        # Init's memory-efficient linear replaces torch.nn.functional.linear for the rest of the process
+        # ("This will persist unless manually reset") and keeps the original on a class attribute.
+        inserter = getattr(zero, "InsertPostInitMethodToModuleSubClasses", None)
+        if inserter is not None and "linear_bk" in vars(inserter):
+            delattr(inserter, "linear_bk")
+        import torch
+
+        if torch.nn.functional.linear is not torch._C._nn.linear:
+            torch.nn.functional.linear = torch._C._nn.linear
     checkpointing: Any = sys.modules.get("deepspeed.runtime.activation_checkpointing.checkpointing")
     if checkpointing is not None:
         for name, value in _CHECKPOINTING_DEFAULTS.items():
