@@ -258,6 +258,8 @@ def _port_for(state: _State, world_size: int) -> int:
     known = state.ports.get(world_size)
     if known is None or (known[1] and known[1] != pids):
         known = (_free_port(), pids)
+    elif not known[1]:  # the pool started during the run that chose the port: remember its workers
+        known = (known[0], pids)
     state.ports[world_size] = known
     return known[0]
 
