@@ -55,9 +55,12 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from dstest.worlds.process.messages import _FnRef
 
 __all__ = ["OWN_WORLD_ATTR", "OWN_WORLD_MARK", "reset_deepspeed"]
 
@@ -142,13 +145,12 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A rank failure is reported as the ranks' tracebacks alone (a rank's skip location is set through
+    dstest's own SKIP_LOCATION_ATTR, which dstest's plugin applies)."""
     report = yield
     excinfo = call.excinfo
     if excinfo is None:
         return report
-    location = getattr(excinfo.value, "_dstest_ds_location", None)
-    if location is not None and report.skipped and isinstance(report.longrepr, tuple):
-        report.longrepr = (location[0], location[1], report.longrepr[2])
     text = getattr(excinfo.value, "_dstest_ds_report", None)
     if text is not None and report.failed:
         report.longrepr = text
@@ -267,6 +269,7 @@ def _port_for(state: _State, world_size: int) -> int:
 def _run_warm(state: _State, test: Any, nodeid: str, procs: int) -> None:
     __tracebackhide__ = True
     from dstest.errors import RankFailure, WorkerDied, WorldTimeout
+    from dstest.specification import SKIP_LOCATION_ATTR
     from dstest.worlds.process import ProcessWorld
 
     try:
@@ -303,14 +306,16 @@ def _run_warm(state: _State, test: Any, nodeid: str, procs: int) -> None:
         skipped = pytest.skip.Exception(messages[0])
         location = next((loc for _, loc in results if loc is not None), None)
         if location is not None:
-            setattr(skipped, "_dstest_ds_location", location)  # noqa: B010 (read back by makereport)
+            setattr(skipped, SKIP_LOCATION_ATTR, location)  # reported there by dstest's plugin
         raise skipped
 
 
-def _reference_of_module(module: Any) -> tuple[str, str | None, bool]:
+def _reference_of_module(module: Any) -> _FnRef:
     """What a worker needs to import the test module as pytest did (name, file, assertion rewriting)."""
+    from dstest.worlds.process.messages import _FnRef
+
     path = getattr(module, "__file__", None)
-    return (module.__name__, os.path.abspath(path) if path else None, "@py_builtins" in vars(module))
+    return _FnRef(module.__name__, "", os.path.abspath(path) if path else None, "@py_builtins" in vars(module))
 
 
 def _failure_text(nodeid: str, exc: BaseException) -> str:
@@ -358,16 +363,14 @@ def _skip_location(exc: BaseException) -> tuple[str, int] | None:
     return frame.filename, int(frame.lineno or 0)
 
 
-def _rank_main(ctx: Any, payload: bytes, ref: tuple[str, str | None, bool], path: list[str], port: int) -> Any:
+def _rank_main(ctx: Any, payload: bytes, ref: _FnRef, path: list[str], port: int) -> Any:
     from _pytest.outcomes import Skipped
 
-    from dstest.worlds.process.messages import _FnRef
     from dstest.worlds.process.refs import _import_module
 
     known = set(path)
     sys.path[:] = [*path, *(p for p in sys.path if p not in known)]
-    module_name, module_path, rewrite = ref
-    _import_module(_FnRef(module_name, "", module_path, rewrite))
+    _import_module(ref)
     _fresh_process_rng()
     test = pickle.loads(payload)
     location: list[tuple[str, int] | None] = [None]
