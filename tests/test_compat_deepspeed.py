@@ -1,4 +1,5 @@
-"""The DeepSpeed test-suite plugin (``-p dstest.compat.deepspeed``) on small DistributedTest-style suites.
+"""SPEC F1: the DeepSpeed test-suite plugin (``-p dstest.compat.deepspeed``) on small DistributedTest-style
+suites (and E3, E10 for the failure, hang and isolation cases).
 
 Each test writes a suite of the shape DeepSpeed's tests have (a ``unit/common.py`` with ``DistributedExec``,
 ``DistributedTest`` and ``DistributedFixture``, a conftest that hands DistributedTest items to the class,
@@ -170,6 +171,7 @@ BASIC = """
 
 
 def test_pass_fail_and_skip_keep_their_verdicts_and_point_at_the_test(pytester: pytest.Pytester) -> None:
+    """F1, E3: the harness's verdicts; a failure carries the failing rank's traceback."""
     _suite(pytester, BASIC)
     result, verdicts = _run(pytester)
     assert verdicts == {"test_pass": "passed", "test_fail": "failed", "test_skip": "skipped"}, result.stdout.str()
@@ -234,6 +236,7 @@ SIZES = """
 def test_world_size_lists_marks_and_fixtures_reach_every_rank(
     pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """F1: world_size as a list, a mark and a fixture; parametrize and fixture values reach the ranks."""
     _suite(pytester, SIZES)
     monkeypatch.setenv("SIZES_DIR", str(tmp_path))
     result, verdicts = _run(pytester)
@@ -278,6 +281,7 @@ FIXTURE = """
 
 
 def test_a_distributed_fixture_runs_on_its_own_world_size(pytester: pytest.Pytester) -> None:
+    """F1: a DistributedFixture runs on its own world size before the test."""
     _suite(pytester, FIXTURE)
     result, verdicts = _run(pytester)
     assert verdicts == {"test_read": "passed"}, result.stdout.str()
@@ -314,6 +318,7 @@ OWN_WORLD = """
 
 
 def test_tests_that_own_their_world_run_on_the_harness_and_are_listed(pytester: pytest.Pytester) -> None:
+    """F1: tests that form their own world fall back to the harness's launcher, listed with the reason."""
     _suite(pytester, OWN_WORLD)
     result, verdicts = _run(pytester)
     assert verdicts == {"test_forms_its_world": "passed", "test_marked": "passed"}, result.stdout.str()
@@ -376,6 +381,8 @@ STATELIB = """
 def test_state_of_one_test_never_reaches_the_next(
     pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, registered: bool
 ) -> None:
+    """F1, E10: in the same warm worker, the next test sees a fresh process's state; a library's own
+    globals need its registered reset (without it the leak shows)."""
     extra = "\nimport dstest.resets\ndstest.resets.register('statelib:reset')\n" if registered else ""
     _suite(pytester, STATE, conftest_extra=extra, statelib=textwrap.dedent(STATELIB))
     monkeypatch.setenv("SIZES_DIR", str(tmp_path))
@@ -425,6 +432,7 @@ HANG = """
 
 
 def test_a_hanging_test_is_reported_with_stacks_and_the_next_test_runs(pytester: pytest.Pytester) -> None:
+    """F1, E3: a hang past exec_timeout fails with every rank's stack; the session goes on."""
     _suite(pytester, HANG)
     result, verdicts = _run(pytester)
     assert verdicts == {"test_warms_the_pool": "passed", "test_hangs": "failed", "test_runs_after_the_hang": "passed"}, (
@@ -438,6 +446,7 @@ def test_a_hanging_test_is_reported_with_stacks_and_the_next_test_runs(pytester:
 
 
 def test_a_harness_of_another_shape_is_refused(pytester: pytest.Pytester) -> None:
+    """F1: a common.py the plugin cannot adapt to is a usage error, never a silent run on the harness."""
     _suite(pytester, BASIC)
     common = pytester.path / "unit" / "common.py"
     common.write_text(common.read_text().replace("_launch_with_file_store", "_launch_all"))
@@ -447,6 +456,7 @@ def test_a_harness_of_another_shape_is_refused(pytester: pytest.Pytester) -> Non
 
 
 def test_without_the_plugin_the_harness_runs_its_own_pools(pytester: pytest.Pytester) -> None:
+    """F1: the suite's own warm check is real: without the plugin it sees the harness's pool."""
     _suite(pytester, BASIC)
     result, verdicts = _run(pytester, plugin=False)
     # the suite's own check that it ran warm fails: the harness counted a pool of its own
@@ -455,6 +465,7 @@ def test_without_the_plugin_the_harness_runs_its_own_pools(pytester: pytest.Pyte
 
 
 def test_the_deepspeed_reset_is_registered_and_cheap_without_deepspeed() -> None:
+    """F1: DeepSpeed's reset is a registered dstest.resets entry point and imports nothing of DeepSpeed."""
     import subprocess
     import sys
 
