@@ -123,3 +123,40 @@ def test_monitored_barrier_on_a_rank_thread_says_it_is_gloo_only_and_is_restored
 
     assert ThreadedWorld().run(body, 2) == [True, True]
     assert c10d.monitored_barrier is original and dist.monitored_barrier is original
+
+
+_FAKE_GUARD_SCRIPT = """
+import threading
+from torch._subclasses.fake_tensor import FakeTensorMode
+import dstest
+
+def body(ctx):
+    def helper():
+        with FakeTensorMode():
+            pass
+    thread = threading.Thread(target=helper)
+    thread.start()
+    thread.join()
+    with FakeTensorMode():
+        pass
+
+for _ in range(30):
+    dstest.run(body, 4, world="threaded")
+print("survived")
+"""
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="the CUDA device guard exists only on CUDA builds of torch")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch installs its fake CUDA guard only without a GPU")
+def test_fake_tensor_mode_on_threads_that_end_does_not_crash_a_cuda_build_without_gpus(tmp_path):
+    """torch 2.11: FakeTensorMode (DTensor, FSDP2) on a thread registers a CUDA guard that dies with the thread.
+
+    Without dstest's main-thread guard, the next FakeTensorMode dereferences freed memory: a segfault.
+    """
+    import subprocess
+
+    script = tmp_path / "fake_guard.py"
+    script.write_text(_FAKE_GUARD_SCRIPT)
+    done = subprocess.run([sys.executable, "-X", "faulthandler", str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "survived" in done.stdout

@@ -163,6 +163,27 @@ def _set_isolation(on: bool) -> None:
         isolation(on)
 
 
+def _pin_fake_cuda_guard() -> None:
+    """On a CUDA build without a GPU, let the main thread install torch's fake CUDA device guard.
+
+    ``FakeTensorMode.__enter__`` (DTensor's sharding propagation, FSDP2's init) calls
+    ``torch._C._ensureCUDADeviceGuardSet()``. In torch 2.11 that stores a guard owned by a ``thread_local``
+    of the calling thread in the process-wide registry; once that thread exits the registry points at freed
+    memory and the next ``FakeTensorMode`` on any thread crashes the process (a segfault in an FSDP2 or
+    DTensor spec, depending on which rank thread entered first and when it ended). Installed from the main
+    thread, which outlives every rank thread, the guard stays valid, and rank threads see it and keep theirs
+    out of the registry.
+    """
+    ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
+    if (
+        ensure is not None
+        and torch.version.cuda is not None
+        and threading.current_thread() is threading.main_thread()
+        and not torch.cuda.is_available()
+    ):
+        ensure()
+
+
 def _inheriting_start(self: threading.Thread) -> None:
     """``threading.Thread.start`` while rank threads are installed: a thread started by a rank acts as it."""
     capture = _HOOKS.capture
@@ -220,6 +241,7 @@ def thread_local_c10d_world(
       (``capture``), and ``torch.manual_seed`` so that the hosting world can hand torch's one global RNG
       to one rank at a time (``seed``); ``translate`` maps a foreign rank's group to the caller's own.
     - ``dist.monitored_barrier`` is wrapped so that a non-gloo Python group explains torch's gloo-only limit.
+    - On a CUDA build without a GPU, the main thread installs torch's fake CUDA guard (``_pin_fake_cuda_guard``).
     """
     with _INSTALL.lock:
         if _INSTALL.users == 0:
@@ -227,6 +249,7 @@ def thread_local_c10d_world(
             _INSTALL.world = _ThreadLocalWorld(c10d._world)
             c10d._world = _INSTALL.world  # type: ignore[assignment]
             _set_isolation(True)
+            _pin_fake_cuda_guard()
             _INSTALL.saved["start"] = threading.Thread.start
             threading.Thread.start = _inheriting_start  # type: ignore[method-assign]
             _INSTALL.saved["manual_seed"] = torch.manual_seed
