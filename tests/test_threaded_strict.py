@@ -406,3 +406,32 @@ def test_ctrl_c_stops_a_world_whatever_its_ranks_do(warm):
         proc.kill()
         pytest.fail("the process did not exit after Ctrl-C")
     assert "KeyboardInterrupt" in stderr
+
+
+def test_an_interrupted_rank_runs_its_cleanup_to_the_end():
+    """The abort interrupts a spinning rank once, not again while it unwinds: its finally clause (here a
+    slow one, as a log handler flushing to a slow stream) runs to the end and releases its lock."""
+    lock = threading.Lock()
+    released = threading.Event()
+
+    def release() -> None:  # a Python-level release, as logging.Handler.release is
+        lock.release()
+        released.set()
+
+    def body(ctx):
+        if ctx.rank == 0:
+            time.sleep(0.05)
+            raise ValueError("the real error")
+        while True:
+            lock.acquire()
+            try:  # the interrupt lands here: rank 0 fails long before this spin ends
+                end = time.monotonic() + 0.5
+                while time.monotonic() < end:
+                    pass
+            finally:
+                time.sleep(0.15)
+                release()
+
+    err = _failure(body)
+    assert "the real error" in str(err)
+    assert released.wait(2.0) and not lock.locked()

@@ -134,17 +134,33 @@ def _async_raise(thread: threading.Thread, exc: type[BaseException]) -> None:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(exc))
 
 
+INTERRUPT_AFTER_S = 0.05
+INTERRUPT_EVERY_S = 0.4
+
+
 def interrupt(threads: list[threading.Thread], running: Any, grace: float) -> None:
     """Give ``threads`` ``grace`` seconds to leave their function, raising WorldAborted into those that
-    still run it (``running()`` returns the threads still inside it) every 50 ms meanwhile."""
-    end = time.monotonic() + grace
+    still run it (``running()`` returns the threads still inside it).
+
+    A rank blocked in a collective leaves on its own at the abort, so the first WorldAborted is raised
+    ``INTERRUPT_AFTER_S`` in, and again only every ``INTERRUPT_EVERY_S`` for a rank that swallowed it. An
+    asynchronous exception can land anywhere, including inside the ``finally`` clauses it is unwinding
+    through: raised every few milliseconds, a second one skipped ``logging.Handler.release()`` in torch's
+    per-collective logging and left the handler's lock held, hanging every later log call.
+    """
+    start = time.monotonic()
+    end = start + grace
+    due: dict[threading.Thread, float] = {}
     while True:
+        now = time.monotonic()
         alive = [t for t in running() if t.is_alive()]
-        if not alive or time.monotonic() >= end:
+        if not alive or now >= end:
             return
         for t in alive:
-            _async_raise(t, WorldAborted)
-        time.sleep(0.05)
+            if now >= due.get(t, start + INTERRUPT_AFTER_S):
+                _async_raise(t, WorldAborted)
+                due[t] = now + INTERRUPT_EVERY_S
+        time.sleep(0.01)
 
 
 def reap(threads: list[threading.Thread], grace: float) -> list[str]:
