@@ -101,6 +101,52 @@ def test_extension_dir_is_keyed_and_overridable(monkeypatch: pytest.MonkeyPatch,
     assert extension_dir(with_cuda=False) == Path.home() / ".cache" / "dstest" / "ext" / key
 
 
+_HOLDER = """
+import sys, time
+from pathlib import Path
+from impl.ops._build import build_lock
+d = Path(sys.argv[1])
+with build_lock(d):
+    (d / "lock").touch()  # torch's baton, as during a build
+    print("held", flush=True)
+    time.sleep(float(sys.argv[2]))
+    (d / "lock").unlink()
+"""
+
+
+@pytest.mark.cpu
+def test_a_build_killed_mid_way_does_not_block_the_next_and_a_live_one_is_waited_for(tmp_path: Path) -> None:
+    """D5: torch's build lock is a plain file a killed build leaves behind; the next build removes it
+    (and would otherwise wait forever), while a live build in another process is waited for, not raced."""
+    import subprocess
+    import time
+
+    from impl.ops._build import build_lock
+
+    def holder(seconds: float) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _HOLDER, str(tmp_path), str(seconds)], stdout=subprocess.PIPE, text=True
+        )
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        return proc
+
+    live = holder(1.0)
+    start = time.monotonic()
+    with build_lock(tmp_path) as stale:
+        waited = time.monotonic() - start
+    assert live.wait(10) == 0
+    live.stdout.close()  # type: ignore[union-attr]
+    assert not stale and waited > 0.5, (stale, waited)
+
+    killed = holder(60.0)
+    killed.kill()
+    killed.wait(10)
+    killed.stdout.close()  # type: ignore[union-attr]
+    assert (tmp_path / "lock").exists()
+    with build_lock(tmp_path) as stale:
+        assert stale and not (tmp_path / "lock").exists()
+
+
 # --------------------------------------------------------------------------------------------------
 # The CPU op against the reference
 

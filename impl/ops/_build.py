@@ -4,7 +4,9 @@ The sources are compiled with ``torch.utils.cpp_extension.load`` (ninja) into a 
 the torch version, the CUDA version (or ``cpu``) and the Python version, under
 ``~/.cache/dstest/ext/<key>`` or ``$DSTEST_EXT_DIR/<key>``. A build takes about 30 s on a two-core
 machine and is reused afterwards; ninja rebuilds only what changed. Several processes building at once
-are serialised by torch's file lock in that directory.
+are serialised by an OS lock on ``.dstest-build.flock`` in that directory, which dies with its holder;
+torch's own ``lock`` file, which a killed build leaves behind and which then blocks every later build,
+is removed when found under that OS lock (no live dstest build can own it then).
 
 CUDA sources are compiled only when torch has CUDA, ``CUDA_HOME`` is found, and an architecture list
 is known (``TORCH_CUDA_ARCH_LIST`` set, or a visible GPU to detect it from: without either, torch's
@@ -13,6 +15,7 @@ arch detection fails with ``IndexError``); otherwise the CPU ops are built alone
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -20,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +84,31 @@ def extension_dir(with_cuda: bool | None = None) -> Path:
     return root / build_key(with_cuda)
 
 
+@contextlib.contextmanager
+def build_lock(build_dir: Path) -> Iterator[bool]:
+    """Hold the directory's build lock across processes; yields whether a stale torch lock was removed.
+
+    torch's ``FileBaton`` is a plain ``lock`` file: a process killed while building leaves it, and every
+    later build waits on it forever. Under this lock no other dstest build is running, so such a file is
+    stale.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own lock alone
+        yield False
+        return
+    with open(build_dir / ".dstest-build.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            baton = build_dir / "lock"
+            stale = baton.exists()
+            if stale:
+                baton.unlink(missing_ok=True)
+            yield stale
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @functools.lru_cache(maxsize=1)
 def _load_once() -> ExtensionInfo:
     with_cuda = _cuda_wanted()
@@ -90,17 +119,8 @@ def _load_once() -> ExtensionInfo:
         sources += [str(_CSRC / s) for s in _CUDA_SOURCES]
     start = time.perf_counter()
     try:
-        library = cpp_extension.load(
-            name=_NAME,
-            sources=sources,
-            extra_cflags=["-O2"],
-            extra_cuda_cflags=["-O3"],
-            extra_include_paths=[str(_CSRC)],
-            build_directory=str(build_dir),
-            with_cuda=with_cuda,
-            is_python_module=False,
-            verbose=False,
-        )
+        with build_lock(build_dir):
+            library = _build(build_dir, sources, with_cuda)
     except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
         raise ExtensionBuildError(
             f"building the dstest_impl ops in {build_dir} (cuda={with_cuda}) failed: {exc}. "
@@ -113,6 +133,20 @@ def _load_once() -> ExtensionInfo:
         build_dir=build_dir,
         with_cuda=with_cuda,
         load_seconds=time.perf_counter() - start,
+    )
+
+
+def _build(build_dir: Path, sources: list[str], with_cuda: bool) -> object:
+    return cpp_extension.load(
+        name=_NAME,
+        sources=sources,
+        extra_cflags=["-O2"],
+        extra_cuda_cflags=["-O3"],
+        extra_include_paths=[str(_CSRC)],
+        build_directory=str(build_dir),
+        with_cuda=with_cuda,
+        is_python_module=False,
+        verbose=False,
     )
 
 
