@@ -289,10 +289,17 @@ def test_a_distributed_fixture_runs_on_its_own_world_size(pytester: pytest.Pytes
 
 
 OWN_WORLD = """
+    import os
+    import socket
+
     import pytest
     import torch
     import torch.distributed as dist
     from unit.common import DistributedTest
+
+
+    def pid_file(tag):
+        return os.path.join(os.environ["SIZES_DIR"], f"{tag}{dist.get_rank()}")
 
 
     class TestOwnsInit(DistributedTest):
@@ -300,12 +307,44 @@ OWN_WORLD = """
         init_distributed = False
 
         def test_forms_its_world(self):
-            assert not dist.is_initialized()  # a fresh process, not a warm worker
+            assert not dist.is_initialized()  # as in a fresh process, though the worker is warm
             dist.init_process_group("gloo")
             t = torch.ones(1)
             dist.all_reduce(t)
             assert t.item() == 2.0
+            with open(pid_file("own"), "w") as f:
+                f.write(str(os.getpid()))
             dist.destroy_process_group()
+
+        def test_leaves_its_world_formed(self):
+            dist.init_process_group("gloo")
+            dist.new_group([0, 1])
+
+
+    class TestNoEnv(DistributedTest):
+        world_size = 1
+        init_distributed = False
+        set_dist_env = False
+
+        def test_sets_its_own(self):
+            assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+            assert dist.get_world_size() == 1
+
+
+    class TestAfter(DistributedTest):
+        world_size = 2
+
+        def test_runs_on_the_warm_world_again(self):
+            with open(pid_file("own")) as f:
+                assert int(f.read()) == os.getpid()  # the same worker served the test that formed its world
+            assert dist.get_process_group_ranks(dist.group.WORLD) == [0, 1]
+            t = torch.ones(1)
+            dist.all_reduce(t, group=dist.new_group([0, 1]))
+            assert t.item() == 2.0 and dist.get_world_size() == 2
 
 
     class TestMarked(DistributedTest):
@@ -317,18 +356,26 @@ OWN_WORLD = """
 """
 
 
-def test_tests_that_own_their_world_run_on_the_harness_and_are_listed(pytester: pytest.Pytester) -> None:
-    """F1: tests that form their own world fall back to the harness's launcher, listed with the reason."""
+def test_tests_that_form_their_world_run_warm_and_marked_ones_on_the_harness(
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """F1: a test that forms its own world (init_distributed / set_dist_env False) runs in a warm worker
+    with the worker's world hidden, which is back for the next test; a marked test falls back to the
+    harness's launcher, listed with the reason."""
     _suite(pytester, OWN_WORLD)
+    monkeypatch.setenv("SIZES_DIR", str(tmp_path))
     result, verdicts = _run(pytester)
-    assert verdicts == {"test_forms_its_world": "passed", "test_marked": "passed"}, result.stdout.str()
+    assert verdicts == {
+        "test_forms_its_world": "passed",
+        "test_leaves_its_world_formed": "passed",
+        "test_sets_its_own": "passed",
+        "test_runs_on_the_warm_world_again": "passed",
+        "test_marked": "passed",
+    }, result.stdout.str()
     out = result.stdout.str()
-    assert "0 launches ran warm; 2 ran on DeepSpeed's own launcher" in out
-    assert (
-        "own launcher: test_suite.py::TestOwnsInit::test_forms_its_world (world size 2): "
-        "init_distributed = False: the test forms its own world"
-    ) in out
+    assert "4 launches ran warm (3 of them on a world the test formed itself); 1 ran on DeepSpeed's own launcher" in out
     assert "own launcher: test_suite.py::TestMarked::test_marked (world size 1): patches multiprocessing itself" in out
+    assert "pool replaced" not in out
 
 
 STATE = """

@@ -27,9 +27,14 @@ What the harness offers, and what it means here:
 - ``reuse_dist_env``: every test reuses the warm world; the flag changes nothing.
 - ``non_daemonic_procs``: dstest's workers are not daemonic, so such tests (they start processes of their
   own) run warm too.
-- ``init_distributed = False`` or ``set_dist_env = False``: the test forms its world itself, so it runs on
-  DeepSpeed's own launcher (a fresh pool). So does a class with ``dstest_own_world = "<why>"`` or a test
-  marked ``@pytest.mark.dstest_own_world("<why>")``. The terminal summary lists each with the reason.
+- ``init_distributed = False`` or ``set_dist_env = False``: the test forms its world itself. It still runs
+  in the warm workers, with their gloo world hidden for the test: ``torch.distributed`` is uninitialised
+  there, the test's ``init_process_group`` (``env://`` on a fresh ``MASTER_PORT``, or whatever it passes)
+  forms its own world, which is destroyed when the test ends, and the worker's world is put back. With
+  ``set_dist_env = False`` the test also sees no ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``
+  or ``MASTER_PORT``. The terminal summary counts these.
+- A class with ``dstest_own_world = "<why>"`` or a test marked ``@pytest.mark.dstest_own_world("<why>")``
+  runs on DeepSpeed's own launcher (a fresh pool); the terminal summary lists each with the reason.
 - ``LOCAL_SIZE`` is not needed: each rank gets the harness's environment (``LOCAL_SIZE`` = the world size,
   ``RANK``, ``MASTER_PORT``...) from ``_dist_run`` itself; for a test that falls back to DeepSpeed's
   launcher, ``LOCAL_SIZE`` is raised to the test's world size for that launch.
@@ -85,6 +90,7 @@ class _Elsewhere:
 class _State:
     patched: dict[type, Callable[..., Any]] = field(default_factory=dict)  # class -> its original launch
     own_world: list[_Elsewhere] = field(default_factory=list)
+    hidden: list[_Elsewhere] = field(default_factory=list)  # ran warm on a world the test formed itself
     replaced: list[_Elsewhere] = field(default_factory=list)
     warm_runs: int = 0
     ports: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # world size -> (port, pids)
@@ -163,7 +169,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         return
     tr = terminalreporter
     tr.section("dstest: DeepSpeed tests on the warm process world")
-    tr.line(f"{state.warm_runs} launches ran warm; {len(state.own_world)} ran on DeepSpeed's own launcher")
+    formed = f" ({len(state.hidden)} of them on a world the test formed itself)" if state.hidden else ""
+    tr.line(f"{state.warm_runs} launches ran warm{formed}; {len(state.own_world)} ran on DeepSpeed's own launcher")
     for e in state.own_world:
         tr.line(f"  own launcher: {e.nodeid} (world size {e.world_size}): {e.why}")
     for e in state.replaced:
@@ -198,18 +205,18 @@ def _check_shape(base: type) -> None:
 
 
 def _own_world_reason(test: Any, request: Any) -> str | None:
+    """Why a test must run on DeepSpeed's own launcher (its mark or class attribute), or None."""
     node = getattr(request, "node", None)
     mark = node.get_closest_marker(OWN_WORLD_MARK) if node is not None else None
     if mark is not None:
         return str(mark.args[0]) if mark.args else f"marked {OWN_WORLD_MARK}"
     why = getattr(test, OWN_WORLD_ATTR, None)
-    if why:
-        return str(why)
-    if not getattr(test, "init_distributed", True):
-        return "init_distributed = False: the test forms its own world"
-    if not getattr(test, "set_dist_env", True):
-        return "set_dist_env = False: the test sets its own distributed environment"
-    return None
+    return str(why) if why else None
+
+
+def _forms_its_world(test: Any) -> bool:
+    """Whether the test initialises torch.distributed itself (it then runs warm on a hidden world)."""
+    return not getattr(test, "init_distributed", True) or not getattr(test, "set_dist_env", True)
 
 
 @contextlib.contextmanager
@@ -281,13 +288,20 @@ def _run_warm(state: _State, test: Any, nodeid: str, procs: int) -> None:
         ) from exc
     module = sys.modules[type(test).__module__]
     ref = _reference_of_module(module)
-    port = _port_for(state, procs)
+    hide = _forms_its_world(test)
+    if hide:  # the test's own TCPStore: a port of its own, as the harness gives every launch
+        from dstest.worlds.process.launch import _free_port
+
+        port = _free_port()
+        state.hidden.append(_Elsewhere(nodeid, procs, "forms its own world"))
+    else:
+        port = _port_for(state, procs)
     before = _pids(procs)
     timeout = float(getattr(test, "exec_timeout", 600))
     state.warm_runs += 1
     try:
         results = ProcessWorld().run(
-            _rank_main, procs, args=(payload, ref, list(sys.path), port), timeout=timeout, seed=0
+            _rank_main, procs, args=(payload, ref, list(sys.path), port, hide), timeout=timeout, seed=0
         )
     except (RankFailure, WorldTimeout, WorkerDied) as exc:
         setattr(exc, "_dstest_ds_report", _failure_text(nodeid, exc))  # noqa: B010 (read back by makereport)
@@ -363,7 +377,49 @@ def _skip_location(exc: BaseException) -> tuple[str, int] | None:
     return frame.filename, int(frame.lineno or 0)
 
 
-def _rank_main(ctx: Any, payload: bytes, ref: _FnRef, path: list[str], port: int) -> Any:
+#: What a launched rank's environment names about its world; a ``set_dist_env = False`` test sees none.
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def _world_hidden(set_dist_env: bool) -> Iterator[None]:
+    """For a test that forms its own world: this worker's gloo world out of sight for the block.
+
+    torch-internal: ``distributed_c10d._world`` is swapped for a world state of its own (uninitialised,
+    group names counted from 0; torch's ``_World`` keeps its tables in module globals, so a second
+    ``_World()`` would share them) and the worker's default group is taken out of torch's by-name registry,
+    so the test's ``init_process_group`` registers its own. Afterwards everything the test formed is destroyed and
+    the worker's world, its registration and its global rank are put back.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from dstest.worlds._compat import _PerThreadWorld
+
+    registry: Any = torch._C._distributed_c10d
+    saved = c10d._world
+    default = c10d._get_default_group()
+    name = default.group_name
+    registry._unregister_process_group(name)
+    c10d._world = _PerThreadWorld()  # type: ignore[assignment]
+    c10d._update_default_pg(None)
+    if not set_dist_env:
+        for key in _DIST_ENV:  # put back by dstest's reset of the environment before the next run
+            os.environ.pop(key, None)
+    try:
+        yield
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            c10d._world = saved
+            c10d._update_default_pg(default)
+            registry._register_process_group(name, default)
+
+
+def _rank_main(ctx: Any, payload: bytes, ref: _FnRef, path: list[str], port: int, hide: bool = False) -> Any:
     from _pytest.outcomes import Skipped
 
     from dstest.worlds.process.refs import _import_module
@@ -385,7 +441,8 @@ def _rank_main(ctx: Any, payload: bytes, ref: _FnRef, path: list[str], port: int
 
     test.run = run_noting_skips
     box = _SkipBox()
-    returned = getattr(test, _RANK_ENTRY)(ctx.rank, ctx.world_size, port, None, box)
+    with _world_hidden(getattr(test, "set_dist_env", True)) if hide else contextlib.nullcontext():
+        returned = getattr(test, _RANK_ENTRY)(ctx.rank, ctx.world_size, port, None, box)
     message = returned if isinstance(returned, str) else box.message
     return (message, location[0] if message else None)
 
