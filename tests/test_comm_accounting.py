@@ -19,6 +19,13 @@ from dstest.worlds.fake import FakeWorld
 
 pytestmark = pytest.mark.cpu
 
+#: torch 2.11's gloo has no list all_to_all (added in 2.12): the process world leaves it out there.
+_GLOO_HAS_LIST_ALL_TO_ALL = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 12)
+
+
+def _has_list_all_to_all(world: str) -> bool:
+    return world != "process" or _GLOO_HAS_LIST_ALL_TO_ALL
+
 
 def _every_collective(ctx: Any) -> dict[str, Any]:
     """One call of each collective; returns what ctx.comm counted, per op."""
@@ -33,7 +40,8 @@ def _every_collective(ctx: Any) -> dict[str, Any]:
         dist.reduce_scatter_tensor(torch.empty(3), torch.ones(3 * W))  # W*3 float32
         dist.reduce_scatter(torch.empty(1), [torch.ones(1) for _ in range(W)])  # W*1
         dist.all_to_all_single(torch.empty(2 * W), torch.ones(2 * W))  # 2W
-        dist.all_to_all([torch.empty(1) for _ in range(W)], [torch.ones(1) for _ in range(W)])  # W
+        if _has_list_all_to_all(ctx.world):
+            dist.all_to_all([torch.empty(1) for _ in range(W)], [torch.ones(1) for _ in range(W)])  # W
         dist.gather(torch.ones(2), [torch.empty(2) for _ in range(W)] if r == 0 else None, dst=0)  # W*2
         dist.scatter(torch.empty(3), [torch.ones(3) for _ in range(W)] if r == 0 else None, src=0)  # W*3
         dist.barrier()
@@ -50,7 +58,7 @@ def _every_collective(ctx: Any) -> dict[str, Any]:
     }
 
 
-def _expected(W: int, rank: int) -> dict[str, Any]:
+def _expected(W: int, rank: int, world: str) -> dict[str, Any]:
     numel = {
         "all_reduce": 5,
         "broadcast": 6,
@@ -65,6 +73,8 @@ def _expected(W: int, rank: int) -> dict[str, Any]:
         "scatter": W * 3,
         "barrier": 0,
     }
+    if not _has_list_all_to_all(world):
+        del numel["all_to_all"]
     size = dict.fromkeys(numel, 4) | {"broadcast": 8, "all_gather_into_tensor": 2, "barrier": 0}
     if W > 1 and rank in (0, 1):
         op = "send" if rank == 0 else "recv"
@@ -85,7 +95,7 @@ def test_every_collective_counts_its_hand_computed_bytes(world: str, world_size:
     ranks = range(world_size) if world != "fake" else sorted({0, world_size - 1})
     assert len(got) == len(ranks)
     for rank, result in zip(ranks, got):
-        assert result == _expected(world_size, rank), f"rank {rank}"
+        assert result == _expected(world_size, rank, world), f"rank {rank}"
 
 
 def _groups_and_windows(ctx: Any) -> dict[str, Any]:
