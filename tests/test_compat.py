@@ -125,6 +125,17 @@ def test_monitored_barrier_on_a_rank_thread_says_it_is_gloo_only_and_is_restored
     assert c10d.monitored_barrier is original and dist.monitored_barrier is original
 
 
+def _env() -> dict[str, str]:
+    """This process's environment, with dstest importable from where this process imports it."""
+    import os
+    from pathlib import Path
+
+    import dstest
+
+    root = str(Path(dstest.__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+
+
 _FAKE_GUARD_SCRIPT = """
 import threading
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -157,6 +168,45 @@ def test_fake_tensor_mode_on_threads_that_end_does_not_crash_a_cuda_build_withou
 
     script = tmp_path / "fake_guard.py"
     script.write_text(_FAKE_GUARD_SCRIPT)
-    done = subprocess.run([sys.executable, "-X", "faulthandler", str(script)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-X", "faulthandler", str(script)], capture_output=True, text=True, timeout=300, env=_env()
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "survived" in done.stdout
+
+
+_DTENSOR_THREADS_SCRIPT = """
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from dstest.worlds.threaded import ThreadedWorld
+
+def body(ctx):
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    d = distribute_tensor(torch.ones(8, 4), mesh, [Shard(0)])
+    for _ in range(3):
+        d = (d + 1) * 2
+    return float(d.to_local().sum())
+
+for _ in range(60):
+    assert ThreadedWorld(warm=False).run(body, 8) == [4 * 22.0] * 8
+print("survived")
+"""
+
+
+def test_dtensor_ranks_ending_at_different_times_do_not_deadlock(tmp_path):
+    """torch frees and creates its per-thread DTensor sharding cache under one C++ mutex while letting go of
+    (or holding) the GIL: ranks that end while others end or start their first DTensor op deadlocked
+    (torch 2.11, within a few dozen cold worlds of 8 ranks). dstest creates and frees those caches under
+    a Python lock."""
+    import subprocess
+
+    script = tmp_path / "dtensor_threads.py"
+    script.write_text(_DTENSOR_THREADS_SCRIPT)
+    try:
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=_env())
+    except subprocess.TimeoutExpired:
+        pytest.fail("60 cold threaded worlds of DTensor bodies hung (the DTensor cache deadlock)")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "survived" in done.stdout

@@ -87,6 +87,7 @@ def rank_process_group(
 ) -> Iterator[None]:
     """On a rank thread: its own c10d state and default group on ``session`` for the block, both gone
     afterwards (the threaded and the fake world start every rank thread this way)."""
+    _compat.create_thread_caches()
     c10d_world.bind()
     binding.session, binding.rank = session, rank
     try:
@@ -103,6 +104,7 @@ def rank_process_group(
         finally:
             binding.__dict__.clear()
             c10d_world.unbind()
+            _compat.release_thread_caches()
 
 
 class Work(_compat.WorkBase):  # type: ignore[misc]

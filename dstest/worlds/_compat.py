@@ -6,6 +6,7 @@ Each function names the torch behaviour it papers over. Nothing here runs at imp
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -184,6 +185,43 @@ def _pin_fake_cuda_guard() -> None:
         ensure()
 
 
+#: Where torch keeps, in a thread's state dict, the capsule that frees DTensor's per-thread C++ sharding cache.
+_DTENSOR_CACHE_KEY = "__DTensor_fastpath_thread_cache_cleanup"
+_THREAD_END_LOCK = threading.Lock()
+_thread_state_dict = ctypes.pythonapi.PyThreadState_GetDict
+_thread_state_dict.restype = ctypes.py_object
+_thread_state_dict.argtypes = []
+ctypes.pythonapi.Py_IncRef.argtypes = [ctypes.py_object]
+
+
+def create_thread_caches() -> None:
+    """At the start of a rank thread (or a thread it started): create torch's per-thread DTensor cache now,
+    under the lock that :func:`release_thread_caches` frees such caches under.
+
+    torch frees that cache when Python clears an ending thread's state, under a process-wide C++ mutex,
+    and drops cached Python objects inside it, which lets go of the GIL; a thread's first DTensor op
+    creates its cache under the same mutex while holding the GIL. So a rank thread ending while another
+    ends, or while another makes its first DTensor op (ranks leave their bodies at different times),
+    deadlocks: one holds the mutex and waits for the GIL, the other holds the GIL and waits for the mutex
+    (seen hanging torch 2.11's suite, and reproduced there with DTensor bodies on cold threaded worlds).
+    Both done here, under a Python lock that threads wait for without the GIL, they never overlap.
+    """
+    stats = getattr(torch._C, "_get_DTensor_sharding_propagator_cache_stats", None)
+    if stats is not None:
+        with _THREAD_END_LOCK:
+            stats()  # creates this thread's cache (it has none yet)
+
+
+def release_thread_caches() -> None:
+    """At the end of a rank thread (or a thread it started): free torch's per-thread DTensor cache now,
+    one thread at a time (see :func:`create_thread_caches`)."""
+    state = _thread_state_dict()
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(state))  # a borrowed reference, which ctypes takes as owned
+    if _DTENSOR_CACHE_KEY in state:
+        with _THREAD_END_LOCK:
+            state.pop(_DTENSOR_CACHE_KEY, None)
+
+
 def _inheriting_start(self: threading.Thread) -> None:
     """``threading.Thread.start`` while rank threads are installed: a thread started by a rank acts as it."""
     capture = _HOOKS.capture
@@ -192,8 +230,12 @@ def _inheriting_start(self: threading.Thread) -> None:
         run = self.run
 
         def run_as_rank() -> None:
-            with as_rank():
-                run()
+            create_thread_caches()
+            try:
+                with as_rank():
+                    run()
+            finally:
+                release_thread_caches()
 
         self.run = run_as_rank  # type: ignore[method-assign]
     _INSTALL.saved["start"](self)
