@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -188,10 +189,23 @@ def _pin_fake_cuda_guard() -> None:
 #: Where torch keeps, in a thread's state dict, the capsule that frees DTensor's per-thread C++ sharding cache.
 _DTENSOR_CACHE_KEY = "__DTensor_fastpath_thread_cache_cleanup"
 _THREAD_END_LOCK = threading.Lock()
-_thread_state_dict = ctypes.pythonapi.PyThreadState_GetDict
-_thread_state_dict.restype = ctypes.py_object
-_thread_state_dict.argtypes = []
-ctypes.pythonapi.Py_IncRef.argtypes = [ctypes.py_object]
+
+
+@functools.cache
+def _thread_state_dict_api() -> tuple[Any, Any]:
+    """Private ctypes prototypes of ``PyThreadState_GetDict`` and ``Py_IncRef`` (the shared ones in
+    ``ctypes.pythonapi`` keep their defaults for other code)."""
+    get = ctypes.PYFUNCTYPE(ctypes.py_object)(("PyThreadState_GetDict", ctypes.pythonapi))
+    incref = ctypes.PYFUNCTYPE(None, ctypes.py_object)(("Py_IncRef", ctypes.pythonapi))
+    return get, incref
+
+
+def _thread_state_dict() -> dict[str, Any]:
+    """The calling thread's state dict (where C extensions keep per-thread objects)."""
+    get, incref = _thread_state_dict_api()
+    state = get()
+    incref(state)  # a borrowed reference, which ctypes takes as owned
+    return state  # type: ignore[no-any-return]
 
 
 def create_thread_caches() -> None:
@@ -216,7 +230,6 @@ def release_thread_caches() -> None:
     """At the end of a rank thread (or a thread it started): free torch's per-thread DTensor cache now,
     one thread at a time (see :func:`create_thread_caches`)."""
     state = _thread_state_dict()
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(state))  # a borrowed reference, which ctypes takes as owned
     if _DTENSOR_CACHE_KEY in state:
         with _THREAD_END_LOCK:
             state.pop(_DTENSOR_CACHE_KEY, None)
