@@ -15,16 +15,14 @@ import torch.distributed as dist
 
 import dstest
 from dstest.errors import InvalidArgument, InvalidSpec, RankFailure
+from dstest.worlds import _compat
 from dstest.worlds.fake import FakeWorld
 
 pytestmark = pytest.mark.cpu
 
-#: torch 2.11's gloo has no list all_to_all (added in 2.12): the process world leaves it out there.
-_GLOO_HAS_LIST_ALL_TO_ALL = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 12)
-
-
 def _has_list_all_to_all(world: str) -> bool:
-    return world != "process" or _GLOO_HAS_LIST_ALL_TO_ALL
+    """torch 2.11's gloo has no list all_to_all: the process world leaves it out there."""
+    return world != "process" or _compat.gloo_has_list_all_to_all()
 
 
 def _every_collective(ctx: Any) -> dict[str, Any]:

@@ -165,6 +165,14 @@ def _set_isolation(on: bool) -> None:
         isolation(on)
 
 
+def gloo_has_list_all_to_all() -> bool:
+    """Whether gloo runs the list ``all_to_all``: torch 2.11's has none ("Backend gloo does not support
+    alltoall"; ``all_to_all_single`` works), 2.12 added it."""
+    from packaging.version import Version
+
+    return Version(torch.__version__.split("+")[0]) >= Version("2.12")
+
+
 def _pin_fake_cuda_guard() -> None:
     """On a CUDA build without a GPU, let the main thread install torch's fake CUDA device guard.
 
