@@ -160,7 +160,8 @@ print("survived")
 @pytest.mark.skipif(torch.version.cuda is None, reason="the CUDA device guard exists only on CUDA builds of torch")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="torch installs its fake CUDA guard only without a GPU")
 def test_fake_tensor_mode_on_threads_that_end_does_not_crash_a_cuda_build_without_gpus(tmp_path):
-    """torch 2.11: FakeTensorMode (DTensor, FSDP2) on a thread registers a CUDA guard that dies with the thread.
+    """E6: torch 2.11's FakeTensorMode (DTensor, FSDP2) on a thread registers a CUDA guard that dies with the
+    thread.
 
     Without dstest's main-thread guard, the next FakeTensorMode dereferences freed memory: a segfault.
     """
@@ -196,7 +197,7 @@ print("survived")
 
 
 def test_dtensor_ranks_ending_at_different_times_do_not_deadlock(tmp_path):
-    """torch frees and creates its per-thread DTensor sharding cache under one C++ mutex while letting go of
+    """E6: torch frees and creates its per-thread DTensor sharding cache under one C++ mutex while letting go of
     (or holding) the GIL: ranks that end while others end or start their first DTensor op deadlocked
     (torch 2.11, within a few dozen cold worlds of 8 ranks). dstest creates and frees those caches under
     a Python lock."""

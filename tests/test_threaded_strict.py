@@ -409,7 +409,7 @@ def test_ctrl_c_stops_a_world_whatever_its_ranks_do(warm):
 
 
 def test_an_interrupted_rank_runs_its_cleanup_to_the_end():
-    """The abort interrupts a spinning rank once, not again while it unwinds: its finally clause (here a
+    """E3: the abort interrupts a spinning rank once, not again while it unwinds: its finally clause (here a
     slow one, as a log handler flushing to a slow stream) runs to the end and releases its lock."""
     lock = threading.Lock()
     released = threading.Event()
