@@ -53,10 +53,16 @@ def test_collectives_agree(ctx):
 @pytest.mark.parametrize("round_", [1, 2, 3])
 @dstest.spec(world_size=[2, 4], worlds=BOTH, contract="E4")
 def test_groups_of_one_run_do_not_reach_the_next(ctx, round_):
-    # Every round creates groups anew; a process-world worker that kept the last run's groups (or their
-    # store keys) would hang or mix up names here.
+    # Every round creates groups anew on the same warm ranks; ranks that kept the last run's groups, their
+    # names or their store keys would hang, count on from the last run's names or see its keys here.
     evens = dist.new_group([r for r in range(ctx.world_size) if r % 2 == 0])
     solo = dist.new_group([ctx.world_size - 1])
+    names = {"1": ctx.rank % 2 == 0, "2": ctx.rank == ctx.world_size - 1}  # as a fresh world names them
+    for name, group in zip(names, (evens, solo), strict=True):
+        if names[name]:
+            assert dist.distributed_c10d._get_process_group_name(group) == name
+    if ctx.rank == 0:
+        assert dist.distributed_c10d._get_default_store().add("dstest-test-round", 1) == 1
     t = torch.ones(1)
     if ctx.rank % 2 == 0:
         dist.all_reduce(t, group=evens)

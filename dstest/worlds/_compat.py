@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 __all__ = [
+    "FreshRunState",
     "WorkBase",
     "adopt_rank_state",
     "backend_registered",
@@ -391,6 +392,35 @@ def drop_subgroups() -> None:
         if name is not None:
             with contextlib.suppress(RuntimeError, KeyError):
                 torch._C._distributed_c10d._unregister_process_group(name)
+
+
+class FreshRunState:
+    """On a rank of a warm world: give each run the group names and store keys a fresh world would have.
+
+    torch names groups "1", "2", ... from ``_world.group_count`` and keeps their rendezvous keys in the
+    default store under that name, so a second run on the same ranks would otherwise name its first
+    group after the groups of earlier runs (what a user sees in ``pg_names`` and traces), and a run
+    reusing a name would read the keys of a dead group. Made right after the default group is formed;
+    ``begin`` gives a run the default store under its own prefix (every rank gets the same run id) and
+    restarts the count where a fresh world starts it, ``end`` puts both back.
+    """
+
+    def __init__(self) -> None:
+        state = c10d._world
+        self.group_count = state.group_count
+        self.default_pg = state.default_pg
+        self.backend, self.store = state.pg_map[self.default_pg]
+
+    def begin(self, run_id: int) -> None:
+        state = c10d._world
+        prefixed = torch._C._distributed_c10d.PrefixStore(f"dstest-run{run_id}/", self.store)
+        state.pg_map[self.default_pg] = (self.backend, prefixed)
+        state.group_count = self.group_count
+
+    def end(self) -> None:
+        state = c10d._world
+        state.pg_map[self.default_pg] = (self.backend, self.store)
+        state.group_count = self.group_count
 
 
 def hash_store() -> Any:

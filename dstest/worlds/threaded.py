@@ -290,6 +290,7 @@ class _WarmCrew:
         ]
         self._defaults: list[Any] = [None] * world_size
         self._phase = _Countdown(world_size)  # the start, then each run
+        self._run_id = 0  # the run the ranks serve now: its store prefix (FreshRunState)
         crew = next(_crew_ids)
         self.threads = [
             threading.Thread(target=self._main, args=(r,), name=f"{_WARM_PREFIX}{crew}-rank{r}", daemon=True)
@@ -310,21 +311,24 @@ class _WarmCrew:
         try:
             with rank_process_group(self._c10d, self.session, rank, self.device, timedelta(days=1)):
                 self._defaults[rank] = dist.group.WORLD
+                fresh = _compat.FreshRunState()
                 self._phase.done(rank)
                 while (task := self._tasks[rank].get()) is not None:
+                    fresh.begin(self._run_id)
                     task(rank)
                     if not dist.is_initialized():  # the run destroyed the default group itself
                         self.broken = True
                         self._phase.done(rank)
                         return
-                    self._reset_rank()
+                    self._reset_rank(fresh)
                     self._phase.done(rank)
         except BaseException as exc:
             self._phase.done(rank, exc)
 
-    def _reset_rank(self) -> None:
-        """Undo what a run leaves on its rank thread: subgroups, grad mode."""
+    def _reset_rank(self, fresh: _compat.FreshRunState) -> None:
+        """Undo what a run leaves on its rank thread: subgroups, their names and store keys, grad mode."""
         _compat.drop_subgroups()
+        fresh.end()
         torch.set_grad_enabled(True)
 
     def run(
@@ -344,6 +348,7 @@ class _WarmCrew:
             _call_rank(session, rank, fn, make_ctx(rank), args, kwargs, outcome)
 
         phase = self._phase = _Countdown(self.world_size)
+        self._run_id += 1
         for q in self._tasks:
             q.put(task)
         try:

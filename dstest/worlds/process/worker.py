@@ -155,9 +155,10 @@ class _Server:
         self.device = device
         self.read_fd = read_fd
         self.functions: dict[_FnRef, Callable[..., Any]] = {}
+        from dstest.worlds._compat import FreshRunState
+
         self.default_pg = c10d._get_default_group()
-        self.backend_name, self.base_store = c10d._world.pg_map[self.default_pg]
-        self.group_count = c10d._world.group_count
+        self.fresh = FreshRunState()
         self.reset_failed = False
 
     def serve(self, blob: bytes) -> _Reply:
@@ -253,20 +254,8 @@ class _Server:
 
     # -- groups of one run -------------------------------------------------------------------------------
     def _begin_run(self, run_id: int) -> None:
-        """Give the run fresh store keys and the group names a fresh world would have.
-
-        torch 2.13 names groups "1", "2", ... from ``_world.group_count`` and keeps their rendezvous keys
-        in the default store under that name; a second run reusing a name would read the keys of a dead
-        group. Each run therefore sees the default store under its own prefix (all ranks get the same
-        run id), and every run starts counting names where a fresh world does, so ranks stay in sync
-        even after a run in which they created different numbers of groups.
-        """
-        from torch._C import _distributed_c10d as c10d_store
-        from torch.distributed import distributed_c10d as c10d
-
-        prefixed = c10d_store.PrefixStore(f"dstest-run{run_id}/", self.base_store)
-        c10d._world.pg_map[self.default_pg] = (self.backend_name, prefixed)
-        c10d._world.group_count = self.group_count
+        """Give the run fresh store keys and the group names a fresh world would have (FreshRunState)."""
+        self.fresh.begin(run_id)
 
     def _end_run(self) -> str | None:
         """Destroy the groups the run created; say why this worker is unusable, if it is."""
@@ -285,8 +274,7 @@ class _Server:
                 dist.destroy_process_group(pg)
             except Exception as exc:
                 problem = f"could not destroy a process group the run created: {type(exc).__name__}: {exc}"
-        c10d._world.pg_map[self.default_pg] = (self.backend_name, self.base_store)
-        c10d._world.group_count = self.group_count
+        self.fresh.end()
         return problem
 
     # -- output --------------------------------------------------------------------------------------------
