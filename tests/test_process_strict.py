@@ -374,6 +374,10 @@ def test_main_guard_detection(tmp_path):
         'import x\nrun()\nif __name__ == "__main__":\n    run()\nelse:\n    run()\nif "__main__" == __name__:\n    run()\n'
     )
     assert [process._under_main_guard(str(source), n) for n in (2, 4, 6, 8)] == [False, True, False, True]
+    # The parse is kept per version of the file: an edited script is read again.
+    source.write_text('if __name__ == "__main__":\n    run()\nrun()\n')
+    os.utime(source, ns=(1, 1))
+    assert [process._under_main_guard(str(source), n) for n in (2, 3)] == [True, False]
     # Inside multiprocessing's import of the script (as __mp_main__), any module-level call is refused.
     code = compile(
         "from dstest.worlds.process import _check_not_bootstrapping\n_check_not_bootstrapping('run')", "s.py", "exec"

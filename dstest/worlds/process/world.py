@@ -4,6 +4,8 @@ to start workers from an unguarded script.
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -94,20 +96,39 @@ def _main_reimported() -> bool:
 def _under_main_guard(path: str, lineno: int) -> bool:
     """Whether line ``lineno`` of the script ``path`` lies in the body of an ``if __name__ == "__main__":``
     statement at its top level (True when the source cannot be read: then nothing is refused)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return True
+    stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+    statements = _top_level_statements(path, stamp)
+    if statements is None:
+        return True
+    for start, end, guarded in statements:
+        if start <= lineno <= end:
+            return any(first <= lineno <= last for first, last in guarded)
+    return True
+
+
+@functools.lru_cache(maxsize=8)
+def _top_level_statements(path: str, stamp: tuple[int, int, int]) -> tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] | None:
+    """The script's top-level statements as (first line, last line, the line spans of the body when the
+    statement is an ``if __name__ == "__main__":``), parsed once per version of the file (``stamp``: its
+    mtime, size and inode; every run from a script's main block asks again)."""
     import ast
 
     try:
         with open(path, "rb") as f:
             tree = ast.parse(f.read(), filename=path)
     except (OSError, SyntaxError, ValueError):
-        return True
+        return None
+    statements = []
     for node in tree.body:
-        if not node.lineno <= lineno <= (node.end_lineno or node.lineno):
-            continue
-        if not isinstance(node, ast.If) or not _is_main_test(node.test):
-            return False
-        return any(b.lineno <= lineno <= (b.end_lineno or b.lineno) for b in node.body)
-    return True
+        guarded: tuple[tuple[int, int], ...] = ()
+        if isinstance(node, ast.If) and _is_main_test(node.test):
+            guarded = tuple((b.lineno, b.end_lineno or b.lineno) for b in node.body)
+        statements.append((node.lineno, node.end_lineno or node.lineno, guarded))
+    return tuple(statements)
 
 
 def _is_main_test(test: Any) -> bool:
