@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import uuid
 
 import pytest
 import torch
@@ -371,3 +372,41 @@ def _reads_accelerator(ctx):
 def test_a_plain_function_gets_its_targets_environment_in_the_process_world():
     """dstest.run sends a RankCall: the function by reference, the target binding by pickle (issue 12.2)."""
     assert dstest.run(_reads_accelerator, 2, world="process", target="deepspeed") == ["cpu", "cpu"]
+
+
+# -- the worker's heap -----------------------------------------------------------------------------------
+
+_LEFT: dict[str, object] = {}  # in each worker: what the runs below leave there
+
+
+class _Node:
+    pass
+
+
+def _import_and_drop_a_cycle(ctx, module_dir, module):
+    import importlib
+    import sys
+    import weakref
+
+    sys.path.insert(0, module_dir)
+    importlib.import_module(module)  # a module no worker imported yet
+    node = _Node()
+    node.me = node  # garbage once the run returns: only the cyclic collector can free it
+    _LEFT["cycle"] = weakref.ref(node)
+    _LEFT["frozen_before"] = __import__("gc").get_freeze_count()
+
+
+def _after_the_run(ctx):
+    import gc
+
+    return _LEFT["cycle"]() is None, gc.get_freeze_count() > _LEFT["frozen_before"]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_run_that_imports_has_its_garbage_collected_and_its_modules_frozen(world_size, tmp_path):
+    # Collections in code under test (DeepSpeed's gc.collect() calls) then skip what the worker holds for
+    # good; the run's own cyclic garbage is collected first, not frozen with it.
+    module = f"dstest_heap_probe_{uuid.uuid4().hex}"
+    (tmp_path / f"{module}.py").write_text("VALUES = list(range(10))\n")
+    PROCESS.run(_import_and_drop_a_cycle, world_size, args=(str(tmp_path), module))
+    assert PROCESS.run(_after_the_run, world_size) == [(True, True)] * world_size
