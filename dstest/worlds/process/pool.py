@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import os
 import pickle
+import selectors
 import shutil
 import signal
 import sys
@@ -360,41 +361,45 @@ class _Pool:
                 w.conn.send_bytes(blob)
             except (EOFError, OSError):
                 dead.append(w)
-        by_conn = {w.conn: w for w in self.workers}
         referee = None
-        checks: dict[Any, _Worker] = {}
-        if self.key.backend == "gloo":  # its workers' groups post every call to this run's referee
-            referee = _Referee(run_id, len(self.workers), [w.check for w in self.workers])
-            checks = {w.check: w for w in self.workers}
-        while len(replies) < len(self.workers) and not dead:
-            limit = deadline if first_failure is None else min(deadline, first_failure + FAILURE_GRACE)
-            remaining = limit - time.monotonic()
-            if remaining <= 0:
-                break
-            pending = [w for w in self.workers if w.rank not in replies]
-            by_sentinel = {w.process.sentinel: w for w in pending}
-            ready = wait([*(w.conn for w in pending), *checks, *by_sentinel], remaining)
-            for obj in ready:
-                checked = checks.get(obj)
-                if checked is not None and referee is not None:
-                    self._referee_messages(referee, checked)
-            for obj in ready:
-                w = by_conn.get(obj)  # type: ignore[call-overload]
-                if w is None:
-                    continue  # a sentinel or a check channel: handled elsewhere
-                try:
-                    reply: _Reply = pickle.loads(w.conn.recv_bytes())
-                except (EOFError, OSError):
-                    continue
-                if reply.run_id != run_id:
-                    continue  # cannot happen while pools are killed on interruption; never mix runs up
-                replies[w.rank] = reply
-                if not reply.ok and first_failure is None:
-                    first_failure = time.monotonic()
-            for obj in ready:
-                gone = by_sentinel.get(obj)
-                if gone is not None and gone.rank not in replies:
-                    dead.append(gone)
+        # One selector for the whole run (multiprocessing's wait() builds and fills one per call, 3 W
+        # registrations for every message the referee gets): its check channels, then each worker's reply
+        # pipe and process sentinel until that worker replied.
+        with selectors.DefaultSelector() as sel:
+            if self.key.backend == "gloo":  # its workers' groups post every call to this run's referee
+                referee = _Referee(run_id, len(self.workers), [w.check for w in self.workers])
+                for w in self.workers:
+                    sel.register(w.check, selectors.EVENT_READ, ("check", w))
+            for w in self.workers:
+                if w not in dead:
+                    sel.register(w.conn, selectors.EVENT_READ, ("reply", w))
+                    sel.register(w.process.sentinel, selectors.EVENT_READ, ("exit", w))
+            while len(replies) < len(self.workers) and not dead:
+                limit = deadline if first_failure is None else min(deadline, first_failure + FAILURE_GRACE)
+                remaining = limit - time.monotonic()
+                if remaining <= 0:
+                    break
+                ready = [key.data for key, _ in sel.select(remaining)]
+                for kind, w in ready:  # the referee first: a verdict may be what a reply waits for
+                    if kind == "check" and referee is not None:
+                        self._referee_messages(referee, w)
+                for kind, w in ready:
+                    if kind != "reply" or w.rank in replies:
+                        continue
+                    try:
+                        reply: _Reply = pickle.loads(w.conn.recv_bytes())
+                    except (EOFError, OSError):
+                        continue
+                    if reply.run_id != run_id:
+                        continue  # cannot happen while pools are killed on interruption; never mix runs up
+                    replies[w.rank] = reply
+                    sel.unregister(w.conn)
+                    sel.unregister(w.process.sentinel)
+                    if not reply.ok and first_failure is None:
+                        first_failure = time.monotonic()
+                for kind, w in ready:
+                    if kind == "exit" and w.rank not in replies and w not in dead:
+                        dead.append(w)
         return replies, dead, first_failure
 
     @staticmethod
