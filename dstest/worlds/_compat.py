@@ -408,8 +408,10 @@ class FreshRunState:
     def __init__(self) -> None:
         state = c10d._world
         self.group_count = state.group_count
-        self.default_pg = state.default_pg
-        self.backend, self.store = state.pg_map[self.default_pg]
+        default_pg = state.default_pg
+        assert default_pg is not None, "made once the rank's default group is formed"
+        self.default_pg = default_pg
+        self.backend, self.store = state.pg_map[default_pg]
 
     def begin(self, run_id: int) -> None:
         state = c10d._world
