@@ -107,11 +107,14 @@ def _worker_main(cfg: _WorkerConfig, conn: Connection, check_conn: Connection) -
         if blob == _STOP:
             break
         reply = server.serve(blob)
+        # Before the reply, not after: the parent hands out the next run when every rank replied, so no
+        # rank starts it while another still collects (a rank that finished a run early destroys that
+        # run's groups; a late rank could still be connecting to one of them).
+        heap.after_run()
         try:
             conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
         except (EOFError, OSError):
             break
-        heap.after_run()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
