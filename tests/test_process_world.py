@@ -389,7 +389,10 @@ def _import_and_drop_a_cycle(ctx, module_dir, module):
     import weakref
 
     sys.path.insert(0, module_dir)
-    importlib.import_module(module)  # a module no worker imported yet
+    try:
+        importlib.import_module(module)  # a module no worker imported yet
+    finally:
+        sys.path.remove(module_dir)
     node = _Node()
     node.me = node  # garbage once the run returns: only the cyclic collector can free it
     _LEFT["cycle"] = weakref.ref(node)
