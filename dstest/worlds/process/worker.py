@@ -178,17 +178,14 @@ class _Server:
     """One worker's state across runs: resolved functions, the world group's store, the log offsets."""
 
     def __init__(self, cfg: _WorkerConfig, device: Any, read_fd: int, checker: _Checker | None) -> None:
-        from torch.distributed import distributed_c10d as c10d
+        from dstest.worlds._compat import FreshRunState
 
         self.cfg = cfg
         self.checker = checker
         self.device = device
         self.read_fd = read_fd
         self.functions: dict[_FnRef, Callable[..., Any]] = {}
-        from dstest.worlds._compat import FreshRunState
-
-        self.default_pg = c10d._get_default_group()
-        self.fresh = FreshRunState()
+        self.fresh = FreshRunState()  # also keeps the world group, which every run must leave in place
         self.reset_failed = False
 
     def serve(self, blob: bytes) -> _Reply:
@@ -292,13 +289,13 @@ class _Server:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
-        if not dist.is_initialized() or c10d._get_default_group() is not self.default_pg:
+        if not dist.is_initialized() or c10d._get_default_group() is not self.fresh.default_pg:
             return "the run destroyed or replaced the default process group"
         if self.reset_failed:
             return "a reset of process-global state failed before the run (dstest.resets)"
         problem = None
         for pg in list(c10d._world.pg_map):
-            if pg is self.default_pg:
+            if pg is self.fresh.default_pg:
                 continue
             try:
                 dist.destroy_process_group(pg)
