@@ -407,8 +407,8 @@ def _after_the_run(ctx):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_run_that_imports_has_its_garbage_collected_and_its_modules_frozen(world_size, tmp_path):
-    # Collections in code under test (DeepSpeed's gc.collect() calls) then skip what the worker holds for
-    # good; the run's own cyclic garbage is collected first, not frozen with it.
+    # E11 (resources released): collections in code under test (DeepSpeed's gc.collect() calls) then skip
+    # what the worker holds for good; the run's own cyclic garbage is collected first, not frozen with it.
     module = f"dstest_heap_probe_{uuid.uuid4().hex}"
     (tmp_path / f"{module}.py").write_text("VALUES = list(range(10))\n")
     PROCESS.run(_import_and_drop_a_cycle, world_size, args=(str(tmp_path), module))
