@@ -502,6 +502,104 @@ def test_a_harness_of_another_shape_is_refused(pytester: pytest.Pytester) -> Non
     assert "no class of TestVerdicts's bases defines both _launch_with_file_store" in result.stderr.str()
 
 
+WARM_FACTS = """
+    import os
+    import deepspeed
+    from cpuinfo import get_cpu_info
+    from deepspeed.accelerator import get_accelerator
+    from unit.common import DistributedTest
+
+
+    def record(name, value):
+        with open(os.path.join(os.environ["FACTS_DIR"], f"{name}-{os.getpid()}"), "w") as f:
+            f.write(str(value))
+
+
+    class TestWarmFacts(DistributedTest):
+        world_size = 2
+
+        def test_a_asks_and_peaks(self):
+            info = get_cpu_info()
+            assert info["flags"] == ["avx2"]
+            info["flags"].append("scribbled")  # a caller's change stays in its copy
+            assert get_cpu_info()["flags"] == ["avx2"]
+            get_accelerator().allocate(10**9)
+            assert get_accelerator().max_memory_allocated() >= 10**9
+
+        def test_b_asks_and_sees_no_earlier_peak(self):
+            assert get_cpu_info()["flags"] == ["avx2"]
+            assert get_accelerator().max_memory_allocated() < 10**9  # as in a fresh process
+            record("imported-here", deepspeed.IMPORTED_BY == os.getpid())
+"""
+
+#: py-cpuinfo's call, as slow as a probe of the CPU is not, counting its calls per process.
+FAKE_CPUINFO = """
+    import os
+
+
+    def get_cpu_info():
+        path = os.path.join(os.environ["FACTS_DIR"], f"cpuinfo-{os.getpid()}")
+        calls = int(open(path).read()) if os.path.exists(path) else 0
+        with open(path, "w") as f:
+            f.write(str(calls + 1))
+        return {"brand_raw": "test cpu", "flags": ["avx2"]}
+"""
+
+#: DeepSpeed's CPU accelerator, as far as the reset uses it: a peak since creation, reset to "now".
+FAKE_DEEPSPEED = {
+    "deepspeed/__init__.py": """
+        import os
+        IMPORTED_BY = os.getpid()
+    """,
+    "deepspeed/accelerator/__init__.py": "from .real_accelerator import get_accelerator\n",
+    "deepspeed/accelerator/real_accelerator.py": """
+        class CPU_Accelerator:
+            _name = "cpu"
+
+            def __init__(self):
+                self.now = 100
+                self.max_mem = self.now
+
+            def allocate(self, nbytes):
+                self.max_mem = max(self.max_mem, self.now + nbytes)
+
+            def max_memory_allocated(self):
+                return self.max_mem
+
+            def reset_peak_memory_stats(self):
+                self.max_mem = self.now
+
+
+        ds_accelerator = CPU_Accelerator()
+
+
+        def get_accelerator():
+            return ds_accelerator
+    """,
+}
+
+
+def test_warm_workers_keep_machine_facts_but_not_memory_peaks(
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """F1, E10: what is the same for every process of the machine is asked once per worker (py-cpuinfo's
+    probe, which DeepSpeed repeats for every CPU optimizer), handed out as copies; what a fresh process
+    starts afresh (the accelerator's peak memory) does; DeepSpeed is imported once, by the fork server."""
+    files = {name: textwrap.dedent(text) for name, text in FAKE_DEEPSPEED.items()}
+    _suite(pytester, WARM_FACTS, cpuinfo=textwrap.dedent(FAKE_CPUINFO), **files)
+    monkeypatch.setenv("FACTS_DIR", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path), prepend=os.pathsep)
+    result, verdicts = _run(pytester)
+    assert verdicts == {"test_a_asks_and_peaks": "passed", "test_b_asks_and_sees_no_earlier_peak": "passed"}, (
+        result.stdout.str()
+    )
+    facts = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    asked = {name: calls for name, calls in facts.items() if name.startswith("cpuinfo-")}
+    assert sorted(asked.values()) == ["1", "1"], facts  # one probe per worker, for five questions each
+    # neither worker imported DeepSpeed: the fork server had, before it forked them
+    assert sorted(v for k, v in facts.items() if k.startswith("imported-here")) == ["False", "False"], facts
+
+
 def test_without_the_plugin_the_harness_runs_its_own_pools(pytester: pytest.Pytester) -> None:
     """F1: the suite's own warm check is real: without the plugin it sees the harness's pool."""
     _suite(pytester, BASIC)

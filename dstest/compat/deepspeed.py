@@ -42,9 +42,15 @@ What the harness offers, and what it means here:
 State between tests. Each rank starts a test as a fresh process would: dstest's resets
 (:mod:`dstest.resets`) restore the environment and working directory, :func:`reset_deepspeed` (registered
 under the entry-point group ``dstest.resets``) drops DeepSpeed's communication backend, cached process
-groups, an open ZeRO-3 ``Init`` context, activation-checkpointing state and a replaced accelerator, and
-torch's global RNG gets the seed of a fresh process. A test that leaves a worker unusable (it destroys the
+groups, an open ZeRO-3 ``Init`` context, activation-checkpointing state, a replaced accelerator and the
+accelerator's peak-memory figure, and torch's global RNG gets the seed of a fresh process. A test that leaves a worker unusable (it destroys the
 world group) is finished normally; its pool is replaced and the summary lists it.
+
+What stays warm: what is the same in every process of the machine. The fork server the workers come
+from imports DeepSpeed, torch._dynamo and the modules every ``deepspeed.initialize`` loads on first use
+(:mod:`dstest.compat._deepspeed_preload`), once, instead of each worker; a worker asks py-cpuinfo about the
+CPU once and hands out copies of its answer (DeepSpeed asks again for every CPU optimizer, a subprocess each
+time); DeepSpeed's compiled ops stay loaded, as its own op cache keeps them within a process.
 
 Reports. A rank's skip is reported at the line of the test that called ``pytest.skip``; a failure shows
 every failing rank's traceback, which runs through the test's own file and line.
@@ -53,6 +59,7 @@ every failing rank's traceback, which runs through the test's own file and line.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import pickle
 import random
@@ -112,6 +119,12 @@ def pytest_configure(config: pytest.Config) -> None:
         if not torch.cuda.is_available():
             os.environ["DS_ACCELERATOR"] = "cpu"  # before the test modules import DeepSpeed
     config.stash[_STATE_KEY] = _State()
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is not None:
+        from dstest.worlds.process.launch import preload_in_fork_server
+
+        preload_in_fork_server("dstest.compat._deepspeed_preload")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -368,6 +381,34 @@ def _fresh_process_rng() -> None:
         np.random.seed()
 
 
+def _remember_cpu_info() -> None:
+    """``cpuinfo.get_cpu_info()`` answered from memory after its first call in this worker.
+
+    DeepSpeed asks py-cpuinfo about the CPU each time it builds a CPU optimizer or checks an op (every
+    ``DeepSpeedCPUAdam``, on every rank), and each call starts a Python subprocess that probes the CPU: about
+    1.5 s on this 2-core machine, the largest part of an offload test's time on warm workers. The answer is
+    the same for every process on the machine, so a worker asks once and hands out copies; a test that
+    patches ``cpuinfo.get_cpu_info`` replaces the memo for as long as its patch lasts.
+    """
+    try:
+        import cpuinfo
+    except ImportError:
+        return
+    ask = cpuinfo.get_cpu_info
+    if getattr(ask, "_dstest_remembers", False):
+        return
+    answers: list[dict[str, Any]] = []
+
+    def get_cpu_info() -> dict[str, Any]:
+        if not answers:
+            answers.append(ask())
+        return copy.deepcopy(answers[0])
+
+    get_cpu_info._dstest_remembers = True  # type: ignore[attr-defined]
+    get_cpu_info.__wrapped__ = ask  # type: ignore[attr-defined]
+    cpuinfo.get_cpu_info = get_cpu_info
+
+
 def _skip_location(exc: BaseException) -> tuple[str, int] | None:
     """Where the test called pytest.skip: the innermost frame outside pytest."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if f"{os.sep}_pytest{os.sep}" not in f.filename]
@@ -426,6 +467,7 @@ def _rank_main(ctx: Any, payload: bytes, ref: _FnRef, path: list[str], port: int
 
     known = set(path)
     sys.path[:] = [*path, *(p for p in sys.path if p not in known)]
+    _remember_cpu_info()
     _import_module(ref)
     _fresh_process_rng()
     test = pickle.loads(payload)
@@ -526,3 +568,16 @@ def reset_deepspeed() -> None:
             _first_accelerator.append(accelerator.ds_accelerator)
         elif accelerator.ds_accelerator is not _first_accelerator[0]:
             accelerator.ds_accelerator = _first_accelerator[0]
+        _reset_memory_peak(accelerator.ds_accelerator)
+
+
+def _reset_memory_peak(accelerator: Any) -> None:
+    """The accelerator's peak-memory figure starts afresh, as in a new process: the CPU accelerator keeps
+    the peak resident size since it was created (``max_mem``, what ``max_memory_allocated`` reports), so a
+    warm worker would report the peak of an earlier test; a CUDA device's peak is torch's to reset."""
+    import torch
+
+    if getattr(accelerator, "_name", None) == "cpu":
+        accelerator.reset_peak_memory_stats()
+    elif torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        torch.cuda.reset_peak_memory_stats()

@@ -30,6 +30,29 @@ _PRELOAD = ["__main__", "torch", "torch.distributed", "dstest.context", "dstest.
 _CONTEXT: Any = None
 
 
+def preload_in_fork_server(*modules: str) -> bool:
+    """Have the fork server import ``modules`` too, so that every worker starts with them imported (a
+    library whose import takes seconds, paid once instead of once per worker). Effective only before the
+    server starts, that is before the first pool of this process; returns whether it can still take effect.
+    The server passes over a module that raises ImportError; any other error ends the server, so name a
+    module whose import can only fail that way.
+    """
+    for name in modules:
+        if name not in _PRELOAD:
+            _PRELOAD.append(name)
+    if _CONTEXT is None:
+        return True
+    if _CONTEXT.get_start_method() != "forkserver":
+        return False
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    if getattr(server, "_forkserver_pid", None) is not None:
+        return False
+    _CONTEXT.set_forkserver_preload(_PRELOAD)
+    return True
+
+
 def _mp_context() -> Any:
     """Where workers come from: a fork server that has imported torch once, else plain spawn.
 
