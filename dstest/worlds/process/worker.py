@@ -108,8 +108,7 @@ def _worker_main(cfg: _WorkerConfig, conn: Connection, check_conn: Connection) -
             break
         reply = server.serve(blob)
         # Before the reply, not after: the parent hands out the next run when every rank replied, so no
-        # rank starts it while another still collects (a rank that finished a run early destroys that
-        # run's groups; a late rank could still be connecting to one of them).
+        # rank starts it (and destroys the groups of this one) while another still collects.
         heap.after_run()
         try:
             conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
@@ -186,7 +185,7 @@ class _Server:
         self.read_fd = read_fd
         self.functions: dict[_FnRef, Callable[..., Any]] = {}
         self.fresh = FreshRunState()  # also keeps the world group, which every run must leave in place
-        self.reset_failed = False
+        self.unusable: str | None = None  # why this worker must be replaced after the run
 
     def serve(self, blob: bytes) -> _Reply:
         import random
@@ -213,7 +212,7 @@ class _Server:
             try:  # what the previous run left in process-global state (dstest.resets)
                 apply_resets(cmd.resets)
             except BaseException:
-                self.reset_failed = True
+                self.unusable = "a reset of process-global state failed before the run (dstest.resets)"
                 raise
             ctx = RankContext(
                 rank=rank,
@@ -281,28 +280,35 @@ class _Server:
 
     # -- groups of one run -------------------------------------------------------------------------------
     def _begin_run(self, run_id: int) -> None:
-        """Give the run fresh store keys and the group names a fresh world would have (FreshRunState)."""
+        """Destroy the groups the previous run created, then give this run fresh store keys and the group
+        names a fresh world would have (FreshRunState).
+
+        Here rather than when that run ended: the parent hands out a run only once every rank has replied
+        to the one before, so no rank is still forming one of those groups. A rank that finished early and
+        destroyed its end of a group at once could cut off a slower peer still connecting to it.
+        """
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        for pg in list(c10d._world.pg_map):
+            if pg is not self.fresh.default_pg:
+                try:
+                    dist.destroy_process_group(pg)
+                except Exception as exc:
+                    self.unusable = f"could not destroy a process group the previous run created: {exc}"
+                    raise RuntimeError(self.unusable) from exc
         self.fresh.begin(run_id)
 
     def _end_run(self) -> str | None:
-        """Destroy the groups the run created; say why this worker is unusable, if it is."""
+        """Put the world's store and group count back; say why this worker is unusable, if it is. The run's
+        groups stay until the next run begins (see _begin_run)."""
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
         if not dist.is_initialized() or c10d._get_default_group() is not self.fresh.default_pg:
             return "the run destroyed or replaced the default process group"
-        if self.reset_failed:
-            return "a reset of process-global state failed before the run (dstest.resets)"
-        problem = None
-        for pg in list(c10d._world.pg_map):
-            if pg is self.fresh.default_pg:
-                continue
-            try:
-                dist.destroy_process_group(pg)
-            except Exception as exc:
-                problem = f"could not destroy a process group the run created: {type(exc).__name__}: {exc}"
         self.fresh.end()
-        return problem
+        return self.unusable
 
     # -- output --------------------------------------------------------------------------------------------
     def _log_offset(self) -> int:
