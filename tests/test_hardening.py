@@ -96,3 +96,41 @@ def test_200_failing_worlds_leak_nothing():
     assert c10d._world is original and sys.excepthook is hook
     assert _compat._INSTALL.users == installs
     assert not dist.is_initialized()
+
+
+SWALLOWED = """
+    import gc
+    import pytest
+    from dstest.errors import WorldAborted
+
+
+    class Swallows:
+        def __init__(self, exc):
+            self.exc = exc
+
+        def __del__(self):  # what a gc callback does with an exception: Python reports it, "ignored"
+            raise self.exc
+
+
+    def test_an_abort_swallowed_by_a_callback():
+        Swallows(WorldAborted("abort delivered into a gc callback"))
+        gc.collect()
+
+
+    def test_any_other_swallowed_exception():
+        Swallows(ValueError("a real bug in a finalizer"))
+        gc.collect()
+"""
+
+
+def test_an_abort_that_python_swallows_is_not_a_failure_but_other_unraisables_are(
+    pytester: pytest.Pytester,
+) -> None:
+    """E4: a hung rank thread is stopped by WorldAborted raised into it until it leaves; one that lands in
+    a gc callback is swallowed and reported by Python as unraisable. Under filterwarnings=error that is no
+    failure of the test; any other unraisable exception still fails it."""
+    pytester.makepyfile(test_swallowed=SWALLOWED)
+    pytester.makeini("[pytest]\nfilterwarnings =\n    error\n")
+    result = pytester.runpytest_subprocess("-q")  # dstest's plugin loads as it does for users
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*FAILED*test_any_other_swallowed_exception*"])
