@@ -43,8 +43,9 @@ State between tests. Each rank starts a test as a fresh process would: dstest's 
 (:mod:`dstest.resets`) restore the environment and working directory, :func:`reset_deepspeed` (registered
 under the entry-point group ``dstest.resets``) drops DeepSpeed's communication backend, cached process
 groups, an open ZeRO-3 ``Init`` context, activation-checkpointing state, a replaced accelerator and the
-accelerator's peak-memory figure, and torch's global RNG gets the seed of a fresh process. A test that leaves a worker unusable (it destroys the
-world group) is finished normally; its pool is replaced and the summary lists it.
+accelerator's peak-memory figure, and torch's global RNG gets the seed of a fresh process. A test that
+leaves a worker unusable (it destroys the world group) is finished normally; its pool is replaced and the
+summary lists it.
 
 What stays warm: what is the same in every process of the machine. The fork server the workers come
 from imports DeepSpeed, torch._dynamo and the modules every ``deepspeed.initialize`` loads on first use
