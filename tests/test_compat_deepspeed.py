@@ -600,6 +600,46 @@ def test_warm_workers_keep_machine_facts_but_not_memory_peaks(
     assert sorted(v for k, v in facts.items() if k.startswith("imported-here")) == ["False", "False"], facts
 
 
+SHM = """
+    import os
+    from unit.common import DistributedTest
+
+
+    class TestSharedMemory(DistributedTest):
+        world_size = 2
+
+        def test_makes_a_segment_as_deepspeed_does(self):
+            name = "deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
+                os.getuid(), os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], os.environ["RANK"]
+            )
+            with open(os.path.join("/dev/shm", name), "wb") as f:
+                f.write(b"x" * 4096)
+            with open(os.path.join(os.environ["FACTS_DIR"], "segment-" + os.environ["RANK"]), "w") as f:
+                f.write(name)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (Linux)")
+def test_deepspeed_shared_memory_segments_of_the_session_are_removed(
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """F1: the segments DeepSpeed's CPU collectives leave in /dev/shm (one per rank and MASTER_PORT, never
+    removed by DeepSpeed) are removed when the session ends, and only those of the session's ports."""
+    other = Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_1_0"
+    other.write_bytes(b"not this session's")
+    try:
+        _suite(pytester, SHM)
+        monkeypatch.setenv("FACTS_DIR", str(tmp_path))
+        result, verdicts = _run(pytester)
+        assert verdicts == {"test_makes_a_segment_as_deepspeed_does": "passed"}, result.stdout.str()
+        names = [(tmp_path / f"segment-{rank}").read_text() for rank in (0, 1)]
+        assert len(set(names)) == 2
+        assert [name for name in names if (Path("/dev/shm") / name).exists()] == []
+        assert other.exists()
+    finally:
+        other.unlink()
+
+
 def test_without_the_plugin_the_harness_runs_its_own_pools(pytester: pytest.Pytester) -> None:
     """F1: the suite's own warm check is real: without the plugin it sees the harness's pool."""
     _suite(pytester, BASIC)

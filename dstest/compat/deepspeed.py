@@ -102,6 +102,7 @@ class _State:
     replaced: list[_Elsewhere] = field(default_factory=list)
     warm_runs: int = 0
     ports: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # world size -> (port, pids)
+    given: set[int] = field(default_factory=set)  # every MASTER_PORT this session gave ranks
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -134,6 +135,28 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         for cls, original in state.patched.items():
             setattr(cls, _LAUNCH, original)
         state.patched.clear()
+        _remove_shm_segments(state.given)
+
+
+#: DeepSpeed's CPU shared-memory collectives (csrc/cpu/comm/shm.cpp) keep one segment per rank, named
+#: deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>, and never remove it.
+_SHM_SEGMENT = "deepspeed_allreduce_buffer_{uid}_*_{port}_*"
+
+
+def _remove_shm_segments(ports: set[int]) -> None:
+    """Remove the shared-memory segments DeepSpeed's ranks made for the ports this session gave them.
+
+    Every segment is about 66 MB of RAM (/dev/shm) that outlives the processes: DeepSpeed's harness reuses
+    a few fixed ports, so it leaves a bounded number behind, but each session of this plugin picks free
+    ports, and without this every run would leave new ones (13 GB of them filled this machine's memory).
+    Unlinking is safe while a worker still maps one: the memory goes when the last mapping does.
+    """
+    import glob
+
+    for port in ports:
+        for path in glob.glob(os.path.join("/dev/shm", _SHM_SEGMENT.format(uid=os.getuid(), port=port))):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 @pytest.hookimpl(trylast=True)
@@ -310,6 +333,7 @@ def _run_warm(state: _State, test: Any, nodeid: str, procs: int) -> None:
         state.hidden.append(_Elsewhere(nodeid, procs, "forms its own world"))
     else:
         port = _port_for(state, procs)
+    state.given.add(port)
     before = _pids(procs)
     timeout = float(getattr(test, "exec_timeout", 600))
     state.warm_runs += 1
