@@ -340,7 +340,7 @@ OWN_WORLD = """
 
         def test_runs_on_the_warm_world_again(self):
             with open(pid_file("own")) as f:
-                assert int(f.read()) == os.getpid()  # the same worker served the test that formed its world
+                assert int(f.read()) != os.getpid()  # fresh workers after a test that formed its world
             assert dist.get_process_group_ranks(dist.group.WORLD) == [0, 1]
             t = torch.ones(1)
             dist.all_reduce(t, group=dist.new_group([0, 1]))
@@ -360,7 +360,7 @@ def test_tests_that_form_their_world_run_warm_and_marked_ones_on_the_harness(
     pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """F1: a test that forms its own world (init_distributed / set_dist_env False) runs in a warm worker
-    with the worker's world hidden, which is back for the next test; a marked test falls back to the
+    with the worker's world hidden, and the next test gets fresh workers; a marked test falls back to the
     harness's launcher, listed with the reason."""
     _suite(pytester, OWN_WORLD)
     monkeypatch.setenv("SIZES_DIR", str(tmp_path))
@@ -373,7 +373,10 @@ def test_tests_that_form_their_world_run_warm_and_marked_ones_on_the_harness(
         "test_marked": "passed",
     }, result.stdout.str()
     out = result.stdout.str()
-    assert "4 launches ran warm (3 of them on a world the test formed itself); 1 ran on DeepSpeed's own launcher" in out
+    assert (
+        "4 launches ran warm (3 of them on a world the test formed itself, each followed by fresh workers); "
+        "1 ran on DeepSpeed's own launcher" in out
+    )
     assert "own launcher: test_suite.py::TestMarked::test_marked (world size 1): patches multiprocessing itself" in out
     assert "pool replaced" not in out
 
@@ -638,6 +641,55 @@ def test_deepspeed_shared_memory_segments_of_the_session_are_removed(
         assert other.exists()
     finally:
         other.unlink()
+
+
+HELD_PORT = """
+    import os
+    import torch.distributed as dist
+    from unit.common import DistributedTest
+
+    KEPT = []
+
+
+    class TestFormsItsWorldOnAFixedPort(DistributedTest):
+        world_size = 1
+        init_distributed = False
+        set_dist_env = False
+
+        def test_forms_and_keeps_its_store(self):
+            # as DeepSpeed's init_distributed does when it sees no MASTER_PORT: its default port
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["FIXED_PORT"], RANK="0", WORLD_SIZE="1")
+            dist.init_process_group("gloo", init_method="env://")
+            KEPT.append(dist.distributed_c10d._get_default_store())  # a library's reference outlives the test
+
+
+    def test_a_later_test_binds_that_port():
+        from torch.distributed import TCPStore
+
+        TCPStore("127.0.0.1", int(os.environ["FIXED_PORT"]), 1, True)
+"""
+
+
+def test_a_world_a_test_formed_leaves_no_port_taken(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """F1, E10: a test that forms its own world on a fixed port (DeepSpeed's default, 29500) and whose
+    store something still refers to does not keep that port from the tests after it, as its own process
+    would not after exiting: its workers are replaced."""
+    _suite(pytester, HELD_PORT)
+    monkeypatch.setenv("FIXED_PORT", str(_free_port()))
+    result, verdicts = _run(pytester)
+    assert verdicts == {"test_forms_and_keeps_its_store": "passed", "test_a_later_test_binds_that_port": "passed"}, (
+        result.stdout.str()
+    )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def test_without_the_plugin_the_harness_runs_its_own_pools(pytester: pytest.Pytester) -> None:

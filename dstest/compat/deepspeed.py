@@ -30,7 +30,8 @@ What the harness offers, and what it means here:
 - ``init_distributed = False`` or ``set_dist_env = False``: the test forms its world itself. It still runs
   in the warm workers, with their gloo world hidden for the test: ``torch.distributed`` is uninitialised
   there, the test's ``init_process_group`` (``env://`` on a fresh ``MASTER_PORT``, or whatever it passes)
-  forms its own world, which is destroyed when the test ends, and the worker's world is put back. With
+  forms its own world, which is destroyed when the test ends, and the worker's world is put back; the
+  workers are then replaced, since the test's store can outlive its groups and hold its port. With
   ``set_dist_env = False`` the test also sees no ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``
   or ``MASTER_PORT``. The terminal summary counts these.
 - A class with ``dstest_own_world = "<why>"`` or a test marked ``@pytest.mark.dstest_own_world("<why>")``
@@ -206,7 +207,11 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         return
     tr = terminalreporter
     tr.section("dstest: DeepSpeed tests on the warm process world")
-    formed = f" ({len(state.hidden)} of them on a world the test formed itself)" if state.hidden else ""
+    formed = (
+        f" ({len(state.hidden)} of them on a world the test formed itself, each followed by fresh workers)"
+        if state.hidden
+        else ""
+    )
     tr.line(f"{state.warm_runs} launches ran warm{formed}; {len(state.own_world)} ran on DeepSpeed's own launcher")
     for e in state.own_world:
         tr.line(f"  own launcher: {e.nodeid} (world size {e.world_size}): {e.why}")
@@ -346,7 +351,7 @@ def _run_warm(state: _State, test: Any, nodeid: str, procs: int) -> None:
         raise
     finally:
         after = _pids(procs)
-        if before and after != before:
+        if before and after != before and not hide:  # a world of its own always gets fresh workers after
             state.replaced.append(_Elsewhere(nodeid, procs, "the test left its workers unusable"))
     messages = [msg for msg, _ in results]
     if any(messages):
@@ -476,6 +481,13 @@ def _world_hidden(set_dist_env: bool) -> Iterator[None]:
     try:
         yield
     finally:
+        from dstest.worlds.process.worker import replace_after_this_run
+
+        # Destroying the test's groups does not close its TCPStore while DeepSpeed's objects still refer to
+        # it: its port (DeepSpeed's default, 29500, when the test sees no MASTER_PORT) would stay taken,
+        # and the next test that binds that port fails. A fresh process for the next test, as the harness
+        # gives every test.
+        replace_after_this_run("the test formed a world of its own")
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()

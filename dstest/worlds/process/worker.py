@@ -122,6 +122,19 @@ def _worker_main(cfg: _WorkerConfig, conn: Connection, check_conn: Connection) -
     os._exit(0)
 
 
+_REPLACE_AFTER_RUN: list[str] = []
+
+
+def replace_after_this_run(why: str) -> None:
+    """On a rank of the process world, during a run: have this worker replaced once the run ends.
+
+    The run's result is reported as usual; its pool is then stopped and the next run gets fresh
+    processes. For code that leaves behind what no reset can take back (a test that formed a world of its
+    own leaves its TCPStore listening on its port for as long as anything refers to it).
+    """
+    _REPLACE_AFTER_RUN.append(why)
+
+
 class _Heap:
     """Keeps what a warm worker holds for good out of the cyclic collector's scans.
 
@@ -308,6 +321,9 @@ class _Server:
         if not dist.is_initialized() or c10d._get_default_group() is not self.fresh.default_pg:
             return "the run destroyed or replaced the default process group"
         self.fresh.end()
+        if _REPLACE_AFTER_RUN and self.unusable is None:
+            self.unusable = "; ".join(_REPLACE_AFTER_RUN)
+        _REPLACE_AFTER_RUN.clear()
         return self.unusable
 
     # -- output --------------------------------------------------------------------------------------------
