@@ -368,8 +368,12 @@ def test_bad_warm_thread_cap_is_a_clear_error(monkeypatch):
 
 _CTRL_C_SCRIPT = textwrap.dedent(
     """
-    import sys, time, torch, torch.distributed as dist
+    import faulthandler, signal, sys, time, torch, torch.distributed as dist
     from dstest.worlds.threaded import ThreadedWorld
+
+    # As at a terminal: a shell's background job (CI run with `&`) inherits SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    faulthandler.dump_traceback_later(15, exit=True)  # a hang shows every thread's stack
 
     def body(ctx):
         if ctx.rank == 0:
@@ -405,7 +409,7 @@ def test_ctrl_c_stops_a_world_whatever_its_ranks_do(warm):
     except subprocess.TimeoutExpired:
         proc.kill()
         pytest.fail("the process did not exit after Ctrl-C")
-    assert "KeyboardInterrupt" in stderr
+    assert "KeyboardInterrupt" in stderr, stderr
 
 
 def test_an_interrupted_rank_runs_its_cleanup_to_the_end():
