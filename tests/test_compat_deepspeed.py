@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from dstest.worlds.process.launch import _free_port
+
 pytestmark = pytest.mark.cpu
 
 #: A harness of the shape of DeepSpeed's tests/unit/common.py (the two steps the plugin adapts to:
@@ -682,14 +684,6 @@ def test_a_world_a_test_formed_leaves_no_port_taken(
     assert verdicts == {"test_forms_and_keeps_its_store": "passed", "test_a_later_test_binds_that_port": "passed"}, (
         result.stdout.str()
     )
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_without_the_plugin_the_harness_runs_its_own_pools(pytester: pytest.Pytester) -> None:
