@@ -393,6 +393,8 @@ _CTRL_C_SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("warm", [False, True])
 def test_ctrl_c_stops_a_world_whatever_its_ranks_do(warm):
+    """E11: Ctrl-C ends a threaded world, warm or cold, whatever its ranks are doing (sleeping in C code,
+    blocked in a collective, spinning in Python), and the caller gets its KeyboardInterrupt."""
     proc = subprocess.Popen(
         [sys.executable, "-c", _CTRL_C_SCRIPT.format(warm=warm)],
         stdout=subprocess.PIPE,
