@@ -140,9 +140,9 @@ class Work(_compat.WorkBase):  # type: ignore[misc]
         return w.peer if isinstance(w, P2PWait) else -1
 
     def get_future(self) -> torch.futures.Future[Any]:
-        fut: torch.futures.Future[Any] = torch.futures.Future()
-        self._waitable.session.hand_out_future(self._waitable, fut)
-        return fut
+        source, handed_out = _compat.linked_future()  # failed in C++ too when the call fails (DDP's reducer)
+        self._waitable.session.hand_out_future(self._waitable, source)
+        return handed_out
 
 
 class Group(dist.ProcessGroup):

@@ -27,6 +27,7 @@ __all__ = [
     "drop_subgroups",
     "hash_store",
     "init_rank_process_group",
+    "linked_future",
     "reduce_op_name",
     "thread_local_c10d_world",
     "thread_local_c10d_world_ensure",
@@ -433,6 +434,27 @@ def hash_store() -> Any:
 def backend_registered(name: str) -> bool:
     """Whether a c10d backend plugin of this name is registered (torch keeps them in ``Backend._plugins``)."""
     return name.upper() in dist.Backend._plugins
+
+
+def _value_or_raise(source: torch.futures.Future[Any]) -> Any:
+    return source.value()  # raises the error set on ``source``, which fails the chained future in C++
+
+
+def linked_future() -> tuple[torch.futures.Future[Any], torch.futures.Future[Any]]:
+    """``(source, handed_out)``: a future to give to torch for a work handle, and the one that resolves it.
+
+    ``torch.futures.Future.set_exception`` does not fail a future in C++: it completes it *successfully*
+    with the exception object as its value, and only Python's ``wait``/``value`` raise it (an unwrap
+    function). A C++ consumer reads that value as the work's result: DDP's reducer, in
+    ``finalize_backward``, takes the tensors out of it, finds none and reads past the end of an empty
+    vector, a segfault in the rank's ``backward`` whenever a bucket's all_reduce failed (a desync: a peer
+    finished early; torch 2.11-2.15). A future chained with ``then`` whose callback raises is failed in C++
+    itself, so what a Work hands out is the chained future: its ``wait``/``value`` raise on both sides
+    (in Python as ``RuntimeError`` carrying the original error's type and text). Resolve ``source`` with
+    ``set_result`` or ``set_exception``.
+    """
+    source: torch.futures.Future[Any] = torch.futures.Future()
+    return source, source.then(_value_or_raise)
 
 
 #: The base of the work handles a Python process group returns (``torch.distributed._Work``).

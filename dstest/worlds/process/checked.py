@@ -126,7 +126,7 @@ def _make_checked_group_class() -> type:
         def get_future(self) -> Any:
             rec = self._rec
             rec.waited = True
-            fut: Any = torch.futures.Future()
+            fut, handed_out = _compat.linked_future()  # failed in C++ too when the call fails (DDP's reducer)
 
             def resolve() -> None:
                 if rec.error is not None:
@@ -148,9 +148,9 @@ def _make_checked_group_class() -> type:
             with self._checker.lock:
                 if not rec.event.is_set():
                     rec.callbacks.append(resolve)
-                    return fut
+                    return handed_out
             resolve()
-            return fut
+            return handed_out
 
     class DoneWork(dist._Work):  # type: ignore[misc, name-defined]
         """Already complete: the coalesced forms, which wait for their parts before returning."""
