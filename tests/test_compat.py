@@ -211,3 +211,55 @@ def test_dtensor_ranks_ending_at_different_times_do_not_deadlock(tmp_path):
         pytest.fail("60 cold threaded worlds of DTensor bodies hung (the DTensor cache deadlock)")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "survived" in done.stdout
+
+
+# -- the per-thread c10d world follows torch's own _World, field by field, without a list ----------------------
+def test_no_field_of_torchs_world_object_is_shared_between_rank_threads():
+    """Every public field of the running torch's ``distributed_c10d._World`` is per rank thread (torch 2.15
+    added ``pg_flight_recorder_hooks``; the next release may add another). The message names the field."""
+    problems = _compat.unisolated_world_fields()
+    assert not problems, "torch's c10d world has state dstest does not isolate:\n" + "\n".join(problems)
+
+
+def test_the_isolation_check_names_a_field_that_is_shared(monkeypatch):
+    """The check above can fail: with the override of ``pg_map`` left out, both ranks' tables are torch's
+    module global, and the check names ``pg_map``."""
+    fields = dict(_compat.global_backed_fields())
+    del fields["pg_map"]
+    monkeypatch.setattr(_compat, "global_backed_fields", lambda: fields)
+    _compat._per_thread_world_class.cache_clear()
+    try:
+        problems = _compat.unisolated_world_fields()
+    finally:
+        monkeypatch.undo()
+        _compat._per_thread_world_class.cache_clear()
+    assert len(problems) == 1 and "_World.pg_map is one dict shared by every rank thread" in problems[0]
+    assert torch.__version__ in problems[0]
+
+
+def test_fields_torch_keeps_on_its_world_object_are_fresh_per_rank_thread():
+    """What torch's ``_World.__init__`` creates (``_pg_coalesce_state``, ``_comms``, 2.15's
+    ``_pg_flight_recorder_hooks``) comes from torch's own constructor on every rank thread's state, so a field
+    added there needs nothing from dstest; and a rank thread's group tables are its own."""
+    seen = ThreadedWorld().run(
+        lambda ctx: (type(c10d._world._target()).__mro__[1], set(vars(c10d._world._target()))), 2
+    )
+    own = set(vars(c10d._World()))
+    for base, fields in seen:
+        assert base is c10d._World
+        assert own <= fields
+    assert not c10d._world.pg_map or dist.is_initialized()  # the main thread's tables are torch's own, untouched
+
+
+def test_destroying_groups_on_rank_threads_clears_every_table_of_their_own_world():
+    """``destroy_process_group`` on a rank thread (torch 2.15 also clears ``pg_flight_recorder_hooks``) works
+    on the thread's own state and leaves no group behind in it."""
+
+    def body(ctx):
+        dist.new_group([0, 1])
+        dist.destroy_process_group()
+        state = c10d._world._target()
+        return [name for name in dir(type(state)) if name.startswith("pg_") and name != "pg_config_info"
+                and isinstance(getattr(state, name), dict) and getattr(state, name)]
+
+    assert ThreadedWorld().run(body, 2) == [[], []]

@@ -709,16 +709,35 @@ def test_monitored_barrier(ctx):
     dist.barrier()  # the world is still usable afterwards
 
 
+GLOO_SPLITS_UNBOUND = Version(torch.__version__.split("+")[0]) >= Version("2.15")
+
+
 @dstest.spec(world_size=[2, 4], worlds=WORLDS, contract="E6")
 def test_split_group(ctx):
-    """dist.split_group needs a device bound to the default group (torch's own limit): a clear error, no hang."""
+    """dist.split_group as gloo answers it: before torch 2.15 it needs a device bound to the default group (a
+    clear error, no hang); from 2.15 gloo splits without one, and so do dstest's groups, with gloo's results
+    (checked against 4 gloo processes on 2.15: sizes, ranks, sums, and NON_GROUP_MEMBER outside the split)."""
     if not hasattr(dist, "split_group"):
         pytest.skip("torch has no dist.split_group")
     halves = [list(range(ctx.world_size // 2)), list(range(ctx.world_size // 2, ctx.world_size))]
-    # torch's own check, on gloo as on dstest's groups: splitting needs init_process_group(device_id=...).
-    with pytest.raises(RuntimeError, match="No device associated with the default pg"):
-        dist.split_group(split_ranks=halves)
-    dist.barrier()  # raised at once on every rank: nothing hangs, the world goes on
+    if not GLOO_SPLITS_UNBOUND:
+        with pytest.raises(RuntimeError, match="No device associated with the default pg"):
+            dist.split_group(split_ranks=halves)
+        dist.barrier()  # raised at once on every rank: nothing hangs, the world goes on
+        return
+    half = dist.split_group(split_ranks=halves)
+    mine = halves[0] if ctx.rank in halves[0] else halves[1]
+    t = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(t, group=half)
+    assert (dist.get_world_size(half), dist.get_rank(half), t.item()) == (len(mine), mine.index(ctx.rank), sum(mine))
+    solo = dist.split_group(split_ranks=[[0]])
+    if ctx.rank == 0:
+        assert dist.get_world_size(solo) == 1
+    else:
+        assert solo == dist.GroupMember.NON_GROUP_MEMBER
+    with ctx.comm.window() as w:
+        dist.all_reduce(torch.ones(2), group=half)  # a split group is recorded like any other
+    assert w.count("all_reduce", group=half) == 1
 
 
 # -- groups kept across worlds (torch.distributed.nn.functional's group=group.WORLD default) -------------------

@@ -50,6 +50,7 @@ def register_backend() -> None:
             return
         devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
         dist.Backend.register_backend(BACKEND_NAME, _create_group, extended_api=True, devices=devices)
+        _compat.declare_self_recording(BACKEND_NAME)
 
 
 def _create_group(opts: Any, pg_options: Any) -> dist.ProcessGroup:
@@ -89,7 +90,7 @@ def rank_process_group(
     afterwards (the threaded and the fake world start every rank thread this way)."""
     _compat.create_thread_caches()
     c10d_world.bind()
-    binding.session, binding.rank = session, rank
+    binding.session, binding.rank, binding.device = session, rank, device
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device.index or 0)
@@ -160,6 +161,7 @@ class Group(dist.ProcessGroup):
         self._seq = 0
         self._name = name
         self._desc = "undefined"
+        self.device: torch.device = getattr(binding, "device", None) or torch.device("cpu")
 
     # -- what torch's stacks ask of a process group ------------------------------------------------
     # A Python ProcessGroup registers no C++ backend, and the C++ getters read the name from one: they
@@ -195,6 +197,45 @@ class Group(dist.ProcessGroup):
         batch_isend_irecv posts each transfer on its own (torch 2.14 asks; our groups register no
         C++ backend, and the default answer is "No backend type associated with device type cpu")."""
         return self
+
+    # -- torch 2.15's dist.split_group (gloo splits without a bound device since 2.15) ------------------
+    @property
+    def _device_types(self) -> list[torch.device]:  # type: ignore[override]
+        """The device the group moves tensors on, as gloo's or NCCL's group reports its backend's device
+        (a Python group registers no C++ backend, so torch's own answer would be none)."""
+        return [self.device]
+
+    @property
+    def supports_splitting(self) -> bool:
+        return True
+
+    def split_group(
+        self,
+        ranks: list[int],
+        timeout: timedelta | None = None,
+        opts: Any = None,
+        group_name: str | None = None,
+        group_desc: str | None = None,
+        device_types: Any = None,
+    ) -> Group | None:
+        """``ProcessGroup.split_group``: the caller's part of a split of this group, a group of this world.
+
+        ``ranks`` are ranks in this group (torch passes the split that holds the caller, or the first one
+        when none does: the caller is then no member and gets None, as from gloo and NCCL)."""
+        me = self._acting()
+        if me.rank_ not in ranks:
+            return None
+        if group_name is None:
+            raise InvalidArgument("split_group needs the new group's name (torch's dist.split_group gives one)")
+        global_ranks = [me.global_ranks[r] for r in ranks]
+        group = Group(me.session, ranks.index(me.rank_), len(ranks), global_ranks, group_name)
+        group._desc = group_desc or "undefined"
+        me.session.register_group(group)
+        return group
+
+    def get_group_store(self) -> Any:
+        """The world's rendezvous store under this group's name (what torch records for a split group)."""
+        return dist.PrefixStore(f"{self._name}/", self.session.store)
 
     def getBackendName(self) -> str:
         return BACKEND_NAME

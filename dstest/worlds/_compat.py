@@ -24,6 +24,7 @@ __all__ = [
     "backend_registered",
     "c10d_state",
     "current_rank_state",
+    "declare_self_recording",
     "drop_subgroups",
     "hash_store",
     "init_rank_process_group",
@@ -62,24 +63,115 @@ class _GroupTable(dict):  # type: ignore[type-arg]
         return self[key] if key in self else default
 
 
-class _PerThreadWorld:
-    """The state that ``distributed_c10d._World`` keeps, for one rank thread.
+#: The types of module globals of ``distributed_c10d`` that hold c10d state (tables, lists, counters).
+_STATE_TYPES = (dict, list, set, int)
 
-    torch 2.13 keeps most of it in module globals (``_pg_map``, ``_pg_names``, ``_group_count``, ...)
-    behind properties of the single ``_world`` object, so one process can host one rank only.
+
+def _reads_module_state(getter: Callable[..., Any]) -> list[str]:
+    """The module globals of ``distributed_c10d`` holding state that a property getter of ``_World`` reads."""
+    code = getattr(getter, "__code__", None)
+    if code is None:
+        return []
+    module = vars(c10d)
+    return [
+        name
+        for name in code.co_names
+        if name in module and type(module[name]) in _STATE_TYPES and not name.isupper()
+    ]
+
+
+@functools.cache
+def global_backed_fields() -> dict[str, list[str]]:
+    """``{field: [module global, ...]}``: the properties of torch's ``_World`` backed by module globals.
+
+    torch 2.11-2.15 keep most of c10d's state (``_pg_map``, ``_pg_names``, ``_group_count``, ...) in module
+    globals behind properties of the single ``_world`` object, and the rest (``_default_pg``,
+    ``_pg_coalesce_state``, 2.15's ``_pg_flight_recorder_hooks``, ...) on the object itself. Found by reading
+    the getters' code, so that a field torch adds later in the same way is found too.
     """
+    found: dict[str, list[str]] = {}
+    for klass in reversed(c10d._World.__mro__):
+        for name, attr in vars(klass).items():
+            if isinstance(attr, property) and attr.fget is not None and name != "pg_config_info":
+                names = _reads_module_state(attr.fget)
+                if names:
+                    found[name] = names
+    return found
 
-    def __init__(self) -> None:
-        self.default_pg: Any = None
-        self.pg_map: dict[Any, Any] = _GroupTable()
-        self.pg_names: dict[Any, Any] = _GroupTable()
-        self.pg_group_ranks: dict[Any, Any] = _GroupTable()
-        self.pg_backend_config: dict[Any, Any] = _GroupTable()
-        self.group_count = 0
-        self.tags_to_pg: dict[Any, Any] = {}
-        self.pg_to_tag: dict[Any, Any] = _GroupTable()
-        self.pg_coalesce_state: dict[Any, Any] = {}
-        self.comms: list[Any] = []
+
+def _stored(field: str) -> property:
+    """A property of the per-thread world that keeps ``field`` on the instance instead of in a module global."""
+    slot = f"_dstest_{field}"
+
+    def get(self: Any) -> Any:
+        return self.__dict__[slot]
+
+    def put(self: Any, value: Any) -> None:
+        self.__dict__[slot] = value
+
+    return property(get, put, doc=f"``_World.{field}``, kept per rank thread by dstest.")
+
+
+def _empty_like_global(field: str, names: list[str]) -> Any:
+    """A fresh, empty value of the type of the module global behind ``field`` (tables keyed by group
+    answer for a foreign rank's group, see :class:`_GroupTable`)."""
+    value = vars(c10d)[names[0]]
+    if isinstance(value, dict):
+        return _GroupTable() if field.startswith("pg_") else {}
+    return type(value)()
+
+
+@functools.cache
+def _per_thread_world_class() -> type:
+    """A subclass of the running torch's own ``distributed_c10d._World`` whose every field is per instance.
+
+    ``_World.__init__`` gives each instance its own copy of what torch keeps on the object (a field torch
+    adds there later comes for free, as 2.15's ``pg_flight_recorder_hooks`` did); the properties backed by
+    module globals (:func:`global_backed_fields`) are overridden to keep their value on the instance.
+    """
+    fields = global_backed_fields()
+    namespace: dict[str, Any] = {name: _stored(name) for name in fields}
+
+    def __init__(self: Any) -> None:
+        c10d._World.__init__(self)
+        for name, names in fields.items():
+            self.__dict__[f"_dstest_{name}"] = _empty_like_global(name, names)
+
+    namespace["__init__"] = __init__
+    namespace["__doc__"] = "The c10d state of one rank thread: torch's ``_World`` with no field shared."
+    namespace["__module__"] = __name__
+    return type("PerThreadWorld", (c10d._World,), namespace)
+
+
+def _PerThreadWorld() -> Any:  # noqa: N802  (used as a class: one rank thread's c10d state)
+    """The c10d state (``distributed_c10d._World``) of one rank thread, sharing nothing with another's."""
+    return _per_thread_world_class()()
+
+
+def unisolated_world_fields() -> list[str]:
+    """What two rank threads' c10d states would still share under the running torch, one line per field.
+
+    Every public field of torch's ``_World`` is read on two fresh per-thread states: a container that is the
+    same object on both, or a value set on one that the other then reads, is shared. Empty when nothing is.
+    """
+    a, b = _PerThreadWorld(), _PerThreadWorld()
+    problems: list[str] = []
+    for name in dir(c10d._World):
+        attr = getattr(c10d._World, name, None)
+        if name.startswith("_") or not isinstance(attr, property) or name == "pg_config_info":
+            continue
+        first, second = getattr(a, name), getattr(b, name)
+        if first is second and isinstance(first, (dict, list, set)):
+            problems.append(f"_World.{name} is one {type(first).__name__} shared by every rank thread")
+        elif attr.fset is not None and isinstance(first, int) and not isinstance(first, bool):
+            setattr(a, name, first + 12345)
+            if getattr(b, name) == first + 12345:
+                problems.append(f"_World.{name}: a value set on one rank thread is read on another")
+            setattr(a, name, first)
+    return [
+        f"{p} (torch {torch.__version__}: the per-thread world in dstest/worlds/_compat.py must keep it per rank)"
+        for p in problems
+    ]
 
 
 class _ThreadLocalWorld:
@@ -383,9 +475,10 @@ def drop_subgroups() -> None:
     rather than through ``destroy_process_group`` (which would also tear down what a run never built).
     """
     state = c10d._world
+    tables = _group_tables(state._target() if isinstance(state, _ThreadLocalWorld) else state)
     for pg in [pg for pg in list(state.pg_map) if pg is not state.default_pg]:
         name = dict.get(state.pg_names, pg)
-        for table in (state.pg_map, state.pg_names, state.pg_group_ranks, state.pg_backend_config, state.pg_to_tag):
+        for table in tables:
             dict.pop(table, pg, None)
         for pgs in state.tags_to_pg.values():
             while pg in pgs:
@@ -393,6 +486,17 @@ def drop_subgroups() -> None:
         if name is not None:
             with contextlib.suppress(RuntimeError, KeyError):
                 torch._C._distributed_c10d._unregister_process_group(name)
+
+
+def _group_tables(state: Any) -> list[dict[Any, Any]]:
+    """Every table of a c10d state keyed by process group (torch names them ``pg_*``)."""
+    tables = []
+    for name in dir(type(state)):
+        if name.startswith("pg_") and name != "pg_config_info":
+            value = getattr(state, name, None)
+            if isinstance(value, dict):
+                tables.append(value)
+    return tables
 
 
 class FreshRunState:
@@ -429,6 +533,20 @@ class FreshRunState:
 def hash_store() -> Any:
     """An in-memory c10d store for one world's rendezvous (threads of this process)."""
     return torch._C._distributed_c10d.HashStore()
+
+
+def declare_self_recording(name: str) -> None:
+    """Tell torch (2.15+) that backend ``name`` records its own collectives, so that group creation does not
+    attach torch's flight-recorder hook to its groups.
+
+    torch 2.15 attaches a ``FlightRecorderHook`` to every new group whose backend is not in
+    ``distributed_c10d._FR_SELF_RECORDING_BACKENDS``, and only skips groups that report no device; the hook
+    reads the group's name from a registered C++ backend, which a Python process group has none of
+    ("ProcessGroup name not set"). dstest's groups record every call themselves (traces, ``ctx.comm``).
+    """
+    backends = getattr(c10d, "_FR_SELF_RECORDING_BACKENDS", None)
+    if isinstance(backends, set):
+        backends.add(name)
 
 
 def backend_registered(name: str) -> bool:

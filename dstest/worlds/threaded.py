@@ -137,14 +137,14 @@ def _capture_rank_for_thread() -> Callable[[], Any] | None:
     session = getattr(binding, "session", None)
     if session is None:
         return None
-    rank = binding.rank
+    rank, device = binding.rank, getattr(binding, "device", None)
     state = _compat.current_rank_state()
     ctx = current_context()
 
     @contextlib.contextmanager
     def as_rank() -> Iterator[None]:
         _compat.adopt_rank_state(state)
-        binding.session, binding.rank = session, rank
+        binding.session, binding.rank, binding.device = session, rank, device
         token = ctx.bind() if ctx is not None else None
         try:
             yield

@@ -199,6 +199,7 @@ def _make_checked_group_class() -> type:
             self.seq_run = 0  # the run the sequence numbers count in (the world group outlives runs)
             self._group_name = ""
             self._group_desc = ""
+            self._split_store: Any = None
             self.label = "world" if gid == "0" and len(members) == checker.world_size else f"{gid} {list(members)}"
             # C++ code that asks the group for its gloo backend by type (DDP's logger does) finds it; the
             # collectives it issues still come through the methods below (torch calls them virtually).
@@ -237,6 +238,48 @@ def _make_checked_group_class() -> type:
 
         def shutdown(self) -> None:
             pass
+
+        # -- torch 2.15's dist.split_group (gloo splits without a bound device since 2.15) ---------------
+        @property
+        def supports_splitting(self) -> bool:
+            return True
+
+        def split_group(
+            self,
+            ranks: list[int],
+            timeout: Any = None,
+            opts: Any = None,
+            group_name: str | None = None,
+            group_desc: str | None = None,
+            device_types: Any = None,
+        ) -> Any:
+            """``ProcessGroup.split_group``: the caller's part of a split, a checked gloo group of its own.
+
+            ``ranks`` are ranks in this group that include the caller (or, when no split does, the first
+            split: the caller then gets None, as from gloo). Only the new group's members connect, over
+            the parent's store under the new group's name, as gloo's own split does."""
+            from datetime import timedelta
+
+            from torch.distributed import distributed_c10d as c10d
+
+            if self.rank_ not in ranks:
+                return None
+            if group_name is None:
+                raise InvalidArgument("split_group needs the new group's name (torch's dist.split_group gives one)")
+            store = c10d._world.pg_map[self][1]
+            rank, size = ranks.index(self.rank_), len(ranks)
+            inner = c10d_c.ProcessGroupGloo(
+                c10d_c.PrefixStore(f"{group_name}/", store), rank, size, timeout or timedelta(minutes=30)
+            )
+            members = tuple(self.members[r] for r in ranks)
+            group = CheckedGroup(inner, rank, size, members, group_name, self.checker)
+            group._group_name, group._group_desc = group_name, group_desc or ""
+            group._split_store = c10d_c.PrefixStore(f"{group_name}/", store)
+            return group
+
+        def get_group_store(self) -> Any:
+            """The store a split group was made over (torch records it for the group)."""
+            return self._split_store
 
         # -- checking --------------------------------------------------------------------------------------
         def _next_seq(self) -> int:
