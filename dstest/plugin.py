@@ -3,6 +3,13 @@
 Imports only pytest and the standard library at import time, so it costs nothing in projects that do
 not use it; torch is imported by the specs that run.
 
+A good guest: in a session that collects no dstest spec and gives no dstest option, it changes nothing. It
+deselects nothing (``soak`` items are left out only where the ini opts in with ``dstest_deselect_soak``, as
+this repository's does), registers only the markers the project does not declare itself, and its warning
+filter matches only dstest's own ``WorldAborted``. The one exception is by design: under a launcher (RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT set) every session runs in lockstep, plain tests included
+(:mod:`dstest.lockstep`).
+
 Also: the hooks of :mod:`dstest.hookspecs` (plug-in targets and worlds, registered at configure time),
 collection of the bundled conformance package (``pytest dstest/specs`` collects every spec module, not
 only ``test_*.py``), and deviations: a spec failure of a third-party target is marked as a deviation on
@@ -28,11 +35,13 @@ OPT_WORLD_SIZES = "--dstest-world-sizes"
 OPT_SPECS = "--dstest-specs"
 OPT_TRACE = "--dstest-trace"
 OPT_ASYNC_HAZARDS = "--dstest-async-hazards"
+INI_DESELECT_SOAK = "dstest_deselect_soak"
 
 _MARKERS = {
     "cpu": "runs on CPU only (simulated worlds, gloo processes). Provided by dstest.",
     "gpu": "needs CUDA GPUs (NCCL world, threaded world on CUDA); skipped with a reason when too few. Provided by dstest.",
-    "soak": "long-running hardening runs, excluded from the default suite. Provided by dstest.",
+    "soak": "long-running hardening runs; left out unless -m names soak where the ini sets "
+    f"{INI_DESELECT_SOAK} = true. Provided by dstest.",
 }
 
 _owns_pools_key = pytest.StashKey[bool]()
@@ -166,6 +175,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="give tests that carry neither the cpu nor the gpu marker this one, so -m cpu keeps them",
     )
     _add_observation_options(group)
+    parser.addini(
+        INI_DESELECT_SOAK,
+        type="bool",
+        default=False,
+        help="dstest: deselect items marked soak unless -m names soak (default false: a project's own soak "
+        "marker is left alone)",
+    )
 
 
 def _parse_trace_dir(value: str) -> str:
@@ -236,8 +252,12 @@ _IGNORE_SWALLOWED_ABORT = r"ignore:(?s).*dstest\.errors\.WorldAborted:pytest.Pyt
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_owns_pools_key] = not _active_sessions
     _active_sessions.append(config)
+    # A project that declares a marker of the same name keeps its own description (``--markers`` lists it
+    # once); --strict-markers is satisfied either way.
+    declared = {line.split(":", 1)[0].split("(", 1)[0].strip() for line in config.getini("markers")}
     for name, text in _MARKERS.items():
-        config.addinivalue_line("markers", f"{name}: {text}")
+        if name not in declared:
+            config.addinivalue_line("markers", f"{name}: {text}")
     # A hung rank thread is stopped by raising WorldAborted into it, again and again until it leaves. One
     # that lands while the thread runs a gc callback (hypothesis installs one) is "ignored" by Python and
     # reported as an unraisable exception; the thread gets the next one. Not a failure of the test, even
@@ -467,17 +487,28 @@ def _specs_dir() -> str:
 @pytest.hookimpl(tryfirst=True)  # before pytest's -k deselection, which reads the contract keywords
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _contracts_as_keywords(config, items)
-    if "soak" not in (config.getoption("markexpr", "") or ""):
-        soak = [item for item in items if item.get_closest_marker("soak") is not None]
-        if soak:
-            config.hook.pytest_deselected(items=soak)
-            items[:] = [item for item in items if item.get_closest_marker("soak") is None]
+    _deselect_soak(config, items)
     mark = config.getoption(OPT_MARK_UNMARKED)
     if mark is None:
         return
     for item in items:
         if item.get_closest_marker("cpu") is None and item.get_closest_marker("gpu") is None:
             item.add_marker(getattr(pytest.mark, mark))
+
+
+def _deselect_soak(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Where the ini opts in (``dstest_deselect_soak = true``), leave ``soak`` items out unless ``-m`` names
+    soak. Off by default: the plugin is active in every session of the environment it is installed in, and
+    a project with its own soak marker must keep its tests."""
+    import re
+
+    if not config.getini(INI_DESELECT_SOAK) or re.search(r"\bsoak\b", config.getoption("markexpr", "") or ""):
+        return
+    soak = [item for item in items if item.get_closest_marker("soak") is not None]
+    if soak:
+        config.hook.pytest_deselected(items=soak)
+        gone = {id(item) for item in soak}
+        items[:] = [item for item in items if id(item) not in gone]
 
 
 def _contracts_as_keywords(config: pytest.Config, items: list[pytest.Item]) -> None:

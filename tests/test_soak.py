@@ -1,4 +1,5 @@
-"""Long hardening runs, selected with ``pytest -m soak`` only (the plugin keeps them out of other runs)."""
+"""Long hardening runs, selected with ``pytest -m soak`` only (this repository's ini sets the plugin's
+``dstest_deselect_soak = true``, which keeps them out of other runs)."""
 
 from __future__ import annotations
 

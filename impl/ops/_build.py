@@ -1,5 +1,10 @@
 """Build and load the native ops in ``csrc/`` on first use (SPEC D5).
 
+The C++/CUDA sources live in the repository's top-level ``csrc/``; a wheel installs them as package data
+at ``impl/ops/csrc/`` (the ``impl.ops.csrc`` mapping in ``pyproject.toml``). :func:`source_dir` looks
+there first, beside this module, and falls back to ``csrc/`` at the root of the checkout this module
+sits in (a checkout on ``sys.path`` or an editable install).
+
 The sources are compiled with ``torch.utils.cpp_extension.load`` (ninja) into a directory keyed by
 the torch version, the CUDA version (or ``cpu``) and the Python version, under
 ``~/.cache/dstest/ext/<key>`` or ``$DSTEST_EXT_DIR/<key>``. A build takes about 30 s on a two-core
@@ -32,15 +37,27 @@ import torch.utils.cpp_extension as cpp_extension
 
 from impl.ops._fakes import register_fakes
 
-__all__ = ["ENV_EXT_DIR", "ExtensionBuildError", "ExtensionInfo", "build_key", "extension_dir", "load_extension"]
+__all__ = [
+    "ENV_EXT_DIR",
+    "ExtensionBuildError",
+    "ExtensionInfo",
+    "build_key",
+    "extension_dir",
+    "load_extension",
+    "source_dir",
+]
 
 #: Environment variable naming the base directory of the build cache.
 ENV_EXT_DIR = "DSTEST_EXT_DIR"
 
 _NAME = "dstest_impl_ops"
-_CSRC = Path(__file__).resolve().parents[2] / "csrc"
 _CPU_SOURCES = ("binding.cpp", "allgather_compact_cpu.cpp")
 _CUDA_SOURCES = ("allgather_compact_cuda.cpp", "allgather_compact.cu")
+#: Where the sources are looked for, in order: the package data of an installed wheel, then the checkout.
+_SOURCE_DIRS = (
+    Path(__file__).resolve().parent / "csrc",
+    Path(__file__).resolve().parents[2] / "csrc",
+)
 
 # Loading registers the ops process-wide and a second load of the same library fails, so the loaded
 # extension is cached once per process; the lock makes concurrent first calls (threaded worlds) build
@@ -66,6 +83,19 @@ def _cuda_wanted() -> bool:
     if torch.version.cuda is None or cpp_extension.CUDA_HOME is None:
         return False
     return bool(os.environ.get("TORCH_CUDA_ARCH_LIST")) or torch.cuda.is_available()
+
+
+def source_dir() -> Path:
+    """The directory holding the C++/CUDA sources: ``impl/ops/csrc/`` of a wheel install, else the checkout's
+    ``csrc/``. Raises :class:`ExtensionBuildError` naming both places when neither holds the sources."""
+    for candidate in _SOURCE_DIRS:
+        if all((candidate / name).is_file() for name in _CPU_SOURCES):
+            return candidate
+    raise ExtensionBuildError(
+        "the dstest_impl C++ sources were not found: looked for "
+        f"{', '.join(_CPU_SOURCES)} in {' and '.join(str(d) for d in _SOURCE_DIRS)} "
+        "(a wheel installs them at impl/ops/csrc/; a checkout has them in csrc/)"
+    )
 
 
 def build_key(with_cuda: bool | None = None) -> str:
@@ -114,13 +144,14 @@ def _load_once() -> ExtensionInfo:
     with_cuda = _cuda_wanted()
     build_dir = extension_dir(with_cuda)
     build_dir.mkdir(parents=True, exist_ok=True)
-    sources = [str(_CSRC / s) for s in _CPU_SOURCES]
+    csrc = source_dir()
+    sources = [str(csrc / s) for s in _CPU_SOURCES]
     if with_cuda:
-        sources += [str(_CSRC / s) for s in _CUDA_SOURCES]
+        sources += [str(csrc / s) for s in _CUDA_SOURCES]
     start = time.perf_counter()
     try:
         with build_lock(build_dir):
-            library = _build(build_dir, sources, with_cuda)
+            library = _build(build_dir, csrc, sources, with_cuda)
     except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
         raise ExtensionBuildError(
             f"building the dstest_impl ops in {build_dir} (cuda={with_cuda}) failed: {exc}. "
@@ -136,13 +167,13 @@ def _load_once() -> ExtensionInfo:
     )
 
 
-def _build(build_dir: Path, sources: list[str], with_cuda: bool) -> object:
+def _build(build_dir: Path, csrc: Path, sources: list[str], with_cuda: bool) -> object:
     return cpp_extension.load(
         name=_NAME,
         sources=sources,
         extra_cflags=["-O2"],
         extra_cuda_cflags=["-O3"],
-        extra_include_paths=[str(_CSRC)],
+        extra_include_paths=[str(csrc)],
         build_directory=str(build_dir),
         with_cuda=with_cuda,
         is_python_module=False,
