@@ -46,14 +46,18 @@ _PENDING_CALL = re.compile(
 )
 
 
+#: What dstest reports of a desync: a rank finished while peers wait, calls that differ, or a deadlock.
+_DESYNC = re.compile(r"finished its function|CollectiveMismatch|[Dd]eadlock")
+
+
 class PlantedError(Exception):
     """What a deviant rank raises in the ``raise`` desync."""
 
 
 # -- the stacks: each returns ``step(i, backward)`` and whether every step communicates ------------------
-def _mlp(seed: int = 0) -> nn.Module:
+def _mlp(seed: int = 0, hidden: int = 7) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 7), nn.Tanh(), nn.Linear(7, 3))
+    return nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 3))
 
 
 def _ddp(ctx: Any, cfg: dict[str, Any]) -> tuple[Any, bool]:
@@ -144,7 +148,8 @@ def _tp(ctx: Any, cfg: dict[str, Any]) -> tuple[Any, bool]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (ctx.world_size,))
-    model = parallelize_module(_mlp(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    # hidden 6: tensor parallel's Rowwise input assumes even shards (from_local), at W = 2 and 3
+    model = parallelize_module(_mlp(hidden=6), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def step(i: int, backward: bool) -> None:
@@ -259,7 +264,10 @@ def check_desync(world: str, scenario: dict[str, Any]) -> None:
         assert failure is not None and "PlantedError" in text, text
     elif every_step_communicates:
         assert failure is not None, f"a desync passed: {scenario}"
+        assert _DESYNC.search(text), f"the failure is not the desync's: {text[:3000]}"
         assert _PENDING_CALL.search(text), f"the failure names no pending call: {text[:2000]}"
+    elif failure is not None:  # nothing need differ (no_sync steps communicate nothing); if it fails, as a desync
+        assert _DESYNC.search(text), f"the failure is not the desync's: {text[:3000]}"
     assert "timed out" not in text and "WorkerDied" not in text, text[:2000]
     # The same threads or warm workers run the next world, and it passes.
     assert dstest.run(healthy_body, scenario["world_size"], world=world) == [float(scenario["world_size"])] * scenario[
@@ -327,6 +335,17 @@ _SAMPLE = [
     {"stack": "tp", "cfg": {}, "world_size": 2, "rank": 1, "kind": "more", "steps": 2, "k": 1, "extra": 2},
     {"stack": "dcp", "cfg": {}, "world_size": 2, "rank": 1, "kind": "fewer", "steps": 3, "k": 1, "extra": 1},
 ]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("stack", STACKS)
+def test_every_stack_runs_clean_without_a_desync(world, stack):
+    """The control: each stack's loop, no rank deviating (k past the last step), passes at W = 3."""
+    cfg = next(s["cfg"] for s in _SAMPLE if s["stack"] == stack)
+    with tempfile.TemporaryDirectory() as root:
+        scenario = {"stack": stack, "cfg": {**cfg, "root": root}, "world_size": 3, "rank": 0, "kind": "exit",
+                    "steps": 3, "k": 3, "extra": 0}
+        assert dstest.run(desync_body, 3, world=world, kwargs={"scenario": scenario}) == [3, 3, 3]
 
 
 @pytest.mark.parametrize("world", WORLDS)
