@@ -50,6 +50,10 @@ _PENDING_CALL = re.compile(
 _DESYNC = re.compile(r"finished its function|CollectiveMismatch|[Dd]eadlock")
 
 
+#: Stacks that find a desync themselves when dstest cannot (the calls match op, group and shapes).
+_LIBRARY_DETECTS = {"dcp": "CheckpointException"}
+
+
 class PlantedError(Exception):
     """What a deviant rank raises in the ``raise`` desync."""
 
@@ -258,16 +262,20 @@ def check_desync(world: str, scenario: dict[str, Any]) -> None:
             dstest.run(desync_body, scenario["world_size"], world=world, kwargs={"scenario": scenario}, timeout=60)
         except RankFailure as err:  # anything else (WorkerDied, WorldTimeout, a crash) fails the test
             failure = err
-    every_step_communicates = _communicates(scenario)
     text = str(failure)
     if scenario["kind"] == "raise":
         assert failure is not None and "PlantedError" in text, text
-    elif every_step_communicates:
+    elif scenario["kind"] != "skip_backward" and _communicates(scenario):
+        # a whole step more or less: the ranks' collective sequences differ in length
         assert failure is not None, f"a desync passed: {scenario}"
         assert _DESYNC.search(text), f"the failure is not the desync's: {text[:3000]}"
         assert _PENDING_CALL.search(text), f"the failure names no pending call: {text[:2000]}"
-    elif failure is not None:  # nothing need differ (no_sync steps communicate nothing); if it fails, as a desync
-        assert _DESYNC.search(text), f"the failure is not the desync's: {text[:3000]}"
+    elif failure is not None:
+        # A skipped backward changes the calls only where the backward communicates (tensor parallel's does
+        # not here: its input needs no gradient); where the calls still match, what follows is the stack's own
+        # business: DCP's object collectives of equal size match, and DCP finds the plans differ.
+        own = _LIBRARY_DETECTS.get(scenario["stack"])
+        assert _DESYNC.search(text) or (own is not None and own in text), f"not the desync's failure: {text[:3000]}"
     assert "timed out" not in text and "WorkerDied" not in text, text[:2000]
     # The same threads or warm workers run the next world, and it passes.
     assert dstest.run(healthy_body, scenario["world_size"], world=world) == [float(scenario["world_size"])] * scenario[

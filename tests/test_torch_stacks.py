@@ -194,6 +194,34 @@ def test_dtensor_2d_mesh(ctx):
     _close(w.grad.full_tensor(), ref_w.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [9, 7, 5, 2])
+@dstest.spec(world_size=[4], worlds=WORLDS, contract="E6")
+def test_uneven_2d_full_tensor(ctx, rows):
+    """Uneven shards on a 2-D mesh round-trip on every rank. On the threaded world DTensor's process-wide
+    caches are keyed through DeviceMesh, and every rank's mesh compared equal: one rank's plan and local
+    shapes reached another (wrong values in 5 of 9 fresh runs, CollectiveMismatch in the others)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    x = torch.arange(rows * 5.0).reshape(rows, 5)
+    for placements in ([Shard(0), Shard(0)], [Shard(0), Shard(1)], [Shard(1), Shard(0)]):
+        assert torch.equal(distribute_tensor(x, mesh, placements).full_tensor(), x)
+
+
+def test_device_meshes_of_different_ranks_differ_and_a_ranks_own_meshes_are_equal():
+    """What torch's own threaded group gets from ``_thread_id``: in a world of processes each rank's mesh is
+    its own; here rank threads' meshes of the same shape compare and hash unequal, a rank's two equal."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    meshes = dstest.run(lambda ctx: (init_device_mesh("cpu", (3,)), init_device_mesh("cpu", (3,))), 3)
+    for rank, (a, b) in enumerate(meshes):
+        assert a == b and hash(a) == hash(b)
+        for other, (c, _) in enumerate(meshes):
+            if other != rank:
+                assert a != c and hash(a) != hash(c)
+
+
 # -- functional collectives, torch.distributed.nn --------------------------------------------------------
 @pytest.mark.parametrize("group_kind", ["world", "mesh", "ranks", "name"])
 @dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")

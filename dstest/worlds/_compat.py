@@ -380,6 +380,34 @@ def _monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: b
     return _INSTALL.saved["monitored_barrier"](group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
 
 
+def _mesh_init_per_rank(self: Any, *args: Any, **kwargs: Any) -> None:
+    """``DeviceMesh.__init__`` while rank threads are installed: a mesh made on a rank thread is that rank's.
+
+    torch ties a mesh's identity (``__eq__``, ``__hash__``) to ``_thread_id``, set only when the default
+    group's backend is named "threaded" (torch's own threaded group): otherwise every rank's mesh of the same
+    shape compares and hashes equal, and DTensor's process-wide caches keyed through ``DTensorSpec`` ->
+    ``DeviceMesh`` (the sharding propagator's, the redistribute plans) hand one rank's local shapes and plans
+    to another: wrong values from uneven shards. Here the mesh takes the calling rank's global rank as its
+    thread id (helper threads a rank starts act as it), so meshes of different ranks differ, as they do in
+    different processes, and the same rank's meshes stay equal.
+    """
+    _INSTALL.saved["mesh_init"](self, *args, **kwargs)
+    world = _INSTALL.world
+    if world is None or world.current() is None or getattr(self, "_thread_id", 0) is not None:
+        return
+    if c10d.is_initialized():
+        self._thread_id = c10d.get_rank()
+        self._hash = None
+
+
+def _device_mesh_class() -> Any:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # torch built without distributed
+        return None
+    return DeviceMesh
+
+
 @contextlib.contextmanager
 def thread_local_c10d_world(
     capture: Callable[[], Callable[[], Any] | None] | None = None,
@@ -398,6 +426,7 @@ def thread_local_c10d_world(
       (``capture``), and ``torch.manual_seed`` so that the hosting world can hand torch's one global RNG
       to one rank at a time (``seed``); ``translate`` maps a foreign rank's group to the caller's own.
     - ``dist.monitored_barrier`` is wrapped so that a non-gloo Python group explains torch's gloo-only limit.
+    - ``DeviceMesh.__init__`` is wrapped so that a rank's meshes are its own (``_mesh_init_per_rank``).
     - On a CUDA build without a GPU, the main thread installs torch's fake CUDA guard (``_pin_fake_cuda_guard``).
     """
     with _INSTALL.lock:
@@ -414,6 +443,10 @@ def thread_local_c10d_world(
             torch.random.manual_seed = _serialised_manual_seed
             _INSTALL.saved["monitored_barrier"] = c10d.monitored_barrier
             c10d.monitored_barrier = dist.monitored_barrier = _monitored_barrier
+            mesh = _device_mesh_class()
+            if mesh is not None:
+                _INSTALL.saved["mesh_init"] = mesh.__init__
+                mesh.__init__ = _mesh_init_per_rank
         if capture is not None:
             _HOOKS.capture = capture
         if seed is not None:
@@ -435,6 +468,8 @@ def thread_local_c10d_world(
                 torch.manual_seed = _INSTALL.saved["manual_seed"]
                 torch.random.manual_seed = _INSTALL.saved["manual_seed"]
                 c10d.monitored_barrier = dist.monitored_barrier = _INSTALL.saved["monitored_barrier"]
+                if "mesh_init" in _INSTALL.saved:
+                    _device_mesh_class().__init__ = _INSTALL.saved["mesh_init"]
                 _HOOKS.__init__()  # type: ignore[misc]
                 _INSTALL.world = None
                 _INSTALL.saved.clear()
