@@ -228,13 +228,15 @@ def test_a_project_with_its_own_markers_runs_as_without_dstest(
     and never uses dstest: with dstest's plugin active, exactly the tests its -m selects run, nothing is
     deselected on dstest's account and no warning appears: the same as with the plugin blocked."""
     _guest(pytester, monkeypatch)
-    result = pytester.runpytest_inprocess("-v", *args)
+    # In a fresh process, as the project runs: in this one dstest's own modules are imported already, and
+    # pytest's assertion rewriting warns about them (an error under the guest's filterwarnings = error).
+    result = pytester.runpytest_subprocess("-v", *args)
     assert result.ret == 0, result.stdout.str() + result.stderr.str()
     assert _seen(pytester)["collection_finish"]["dstest"], "the dstest plugin is not active in the run"
     result.stdout.fnmatch_lines([f"*test_guest.py::{name} PASSED*" for name in passed])
     result.assert_outcomes(passed=len(passed), deselected=5 - len(passed))
     _no_warnings(result)
-    without = pytester.runpytest_inprocess("-v", "-p", "no:dstest", *args)
+    without = pytester.runpytest_subprocess("-v", "-p", "no:dstest", *args)
     assert not _seen(pytester)["collection_finish"]["dstest"]
     without.assert_outcomes(passed=len(passed), deselected=5 - len(passed))
 
@@ -244,7 +246,7 @@ def test_a_project_with_its_own_markers_keeps_their_descriptions(
 ) -> None:
     """``--markers`` lists the project's own soak, cpu and gpu once each, with the project's descriptions."""
     _guest(pytester, monkeypatch)
-    result = pytester.runpytest_inprocess("--markers")
+    result = pytester.runpytest_subprocess("--markers")
     assert result.ret == 0
     result.stdout.fnmatch_lines(
         [
