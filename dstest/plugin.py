@@ -35,6 +35,7 @@ OPT_WORLD_SIZES = "--dstest-world-sizes"
 OPT_SPECS = "--dstest-specs"
 OPT_TRACE = "--dstest-trace"
 OPT_ASYNC_HAZARDS = "--dstest-async-hazards"
+OPT_STRICT_SHAPES = "--dstest-strict-shapes"
 INI_DESELECT_SOAK = "dstest_deselect_soak"
 
 _MARKERS = {
@@ -210,6 +211,13 @@ def _add_observation_options(group: Any) -> None:
         help="poison the outputs of async_op=True collectives and irecvs until they are waited (NaN, "
         "integers 0xA5 bytes), so code that reads them early fails; threaded worlds only",
     )
+    group.addoption(
+        OPT_STRICT_SHAPES,
+        action="store_true",
+        default=False,
+        help="also refuse collectives and transfers whose ranks' buffers differ only in shape (by default, "
+        "as on gloo and NCCL, element counts and dtypes must match)",
+    )
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -278,6 +286,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "target": (OPT_TARGET, config.getoption(OPT_TARGET)),
         "seed": (OPT_SEED, config.getoption(OPT_SEED)),
         "async_hazards": (OPT_ASYNC_HAZARDS, config.getoption(OPT_ASYNC_HAZARDS)),
+        "strict_shapes": (OPT_STRICT_SHAPES, config.getoption(OPT_STRICT_SHAPES)),
     }
     try:
         config.stash[fixtures.SETTINGS_KEY] = Settings(**{key: value for key, (_, value) in values.items()})

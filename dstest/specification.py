@@ -84,6 +84,7 @@ class SpecInfo:
     body: Callable[..., Any] | None = None
     method: bool = False
     async_hazards: bool = False
+    strict_shapes: bool = False
 
     @property
     def name(self) -> str:
@@ -115,12 +116,14 @@ class Settings:
     target: str = "impl"
     seed: int = 0
     async_hazards: bool = False
+    strict_shapes: bool = False
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout)
         check_target(self.target)
         check_seed(self.seed)
         check_async_hazards(self.async_hazards)
+        check_strict_shapes(self.strict_shapes)
 
 
 def _as_sizes(world_size: object) -> tuple[int, ...]:
@@ -171,6 +174,13 @@ def _as_worlds(worlds: object) -> tuple[str, ...] | None:
 #: Worlds that can poison unwaited outputs (``async_hazards=True``); the nccl world runs on the threaded
 #: world when GPUs are fewer than ranks and runs plain NCCL otherwise.
 HAZARD_WORLDS = ("threaded", "threaded-cuda", "nccl")
+
+
+def check_strict_shapes(value: object) -> bool:
+    """``strict_shapes`` must be a bool."""
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"strict_shapes={value!r}: must be True or False, got a {type(value).__name__}")
+    return value
 
 
 def check_async_hazards(value: object, worlds: Sequence[str] | None = None) -> bool:
@@ -292,6 +302,7 @@ def spec(
     timeout: float | None = None,
     contract: str | None = None,
     async_hazards: bool = False,
+    strict_shapes: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare a spec: ``fn(ctx, **params)`` runs on every rank of each (world, world size).
 
@@ -300,6 +311,8 @@ def spec(
     ``contract`` names the SPEC.md line the spec checks (shown in reports). ``async_hazards=True``
     poisons the outputs of async collectives and irecvs until they are waited (see
     :mod:`dstest.worlds._hazards`; threaded worlds only, like ``--dstest-async-hazards``).
+    ``strict_shapes=True`` also refuses collectives whose ranks' buffers differ only in shape (gloo and
+    NCCL compare element counts and dtypes; like ``--dstest-strict-shapes``).
 
     In a test class, write ``def test_x(self, ctx, ...)``: ``self`` is the instance pytest made (shared by
     the ranks of in-process worlds, a pickled copy per rank in the process world), ``ctx`` the rank's
@@ -311,6 +324,7 @@ def spec(
     if contract is not None and not isinstance(contract, str):
         raise InvalidArgument(f"contract={contract!r}: must be a str naming a SPEC.md line (e.g. 'A4'), or None")
     check_async_hazards(async_hazards, names)
+    check_strict_shapes(strict_shapes)
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         check_rank_function(fn, "@dstest.spec body")
@@ -325,6 +339,7 @@ def spec(
             body=fn,
             method=method,
             async_hazards=async_hazards,
+            strict_shapes=strict_shapes,
         )
 
         if method:
@@ -409,6 +424,7 @@ def run(
     seed: int = 0,
     target: str = "impl",
     async_hazards: bool = False,
+    strict_shapes: bool = False,
 ) -> list[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on every rank of a world; returns per-rank results.
 
@@ -422,7 +438,9 @@ def run(
     (:mod:`dstest.worlds.protocol`): an unknown world or target, a timeout that is not a finite positive
     number of seconds (at most a day), a world size that is not an int >= 1, or a generator or
     ``async def`` ``fn`` raise :class:`InvalidArgument`. ``async_hazards=True`` poisons unwaited
-    async outputs (:mod:`dstest.worlds._hazards`; threaded worlds). Wrap the call in
+    async outputs (:mod:`dstest.worlds._hazards`; threaded worlds); ``strict_shapes=True`` refuses
+    collectives whose ranks' buffers differ only in shape (by default, as on gloo and NCCL, element counts
+    and dtypes must match, shapes may differ). Wrap the call in
     :func:`dstest.recording` to keep its collective trace.
     """
     info = spec_info(fn)
@@ -434,6 +452,7 @@ def run(
     check_target(target)
     check_world_name(world)
     check_async_hazards(async_hazards, [world])
+    check_strict_shapes(strict_shapes)
     from dstest.worlds import _trace, get_world
 
     instance = get_world(world)
@@ -443,7 +462,8 @@ def run(
         kwargs = {**(kwargs or {}), TARGET_ARG: binding}
     else:
         call = RankCall(fn, binding)  # binding(ctx) on every rank, then fn
-    with _trace.run_options(async_hazards=async_hazards):
+    strict = strict_shapes or (info is not None and info.strict_shapes)
+    with _trace.run_options(async_hazards=async_hazards, strict_shapes=strict):
         results = instance.run(call, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed)
     _refuse_unrun_results(results, fn, generators=False)
     return results
@@ -507,7 +527,7 @@ def run_spec(
     kwargs[TARGET_ARG] = TargetBinding(settings.target)  # the adapter (info.fn) binds it on every rank
     hazards = (info.async_hazards or settings.async_hazards) and case.world in HAZARD_WORLDS
     try:
-        with _trace.run_options(async_hazards=hazards):
+        with _trace.run_options(async_hazards=hazards, strict_shapes=info.strict_shapes or settings.strict_shapes):
             results = world.run(info.fn, case.world_size, kwargs=kwargs, timeout=timeout, seed=settings.seed)
     except RankFailure as failure:
         from dstest.errors import WorldAborted

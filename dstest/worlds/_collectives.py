@@ -17,6 +17,13 @@ input: they read every input in place and write every output once (measured in
 
 Messages name the op, the group, the sequence number and each rank's shapes, as gloo and NCCL do not.
 
+What ranks must agree on is what gloo and NCCL need (SPEC E2): the op, the reduce op, the root, the dtype,
+the device and the element count of each buffer (and the split sizes of ``all_to_all_single``); not the
+shape. Both backends move flat buffers: a ``[2, 1, 1]`` tensor broadcast into ``[2]`` on its peers, or a 0-d
+tensor all-reduced with a ``[1]``, is a correct program on both (DeepSpeed's pipeline engine does the
+first). The shapes still show in every call's description and trace. ``strict_shapes`` (a run option,
+``--dstest-strict-shapes``) also refuses calls whose shapes differ.
+
 The module is longer than most (about 600 lines) on purpose: it is one table, a small class per c10d
 collective with the same four steps, which both the threaded world's session and the process world's
 referee read; splitting it would scatter one contract over several files.
@@ -31,14 +38,24 @@ import torch
 
 from dstest.errors import CollectiveMismatch, InvalidArgument
 
-__all__ = ["CALLS", "Call", "check_reduce", "copy_tensors", "describe_tensor", "reduce_into", "reduce_tensors"]
+__all__ = [
+    "CALLS",
+    "Call",
+    "check_reduce",
+    "copy_flat",
+    "copy_tensors",
+    "describe_tensor",
+    "reduce_into",
+    "reduce_tensors",
+]
 
 
 def copy_tensors(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
     """``dst.copy_(src)`` for each pair; many small tensors in one call of torch's foreach copy."""
+    srcs = [s if s.shape == d.shape else s.reshape(d.shape) for d, s in zip(dsts, srcs)]  # flat buffers
     if len(dsts) > 8:
         try:
-            torch._foreach_copy_(list(dsts), list(srcs))
+            torch._foreach_copy_(list(dsts), srcs)
             return
         except (RuntimeError, TypeError):
             pass  # mixed devices or dtypes it does not take: one copy at a time (raises what copy_ raises)
@@ -89,7 +106,8 @@ def reduce_into(op: str, out: torch.Tensor, others: Sequence[torch.Tensor], coun
     (integer "avg"). The op must have passed :func:`check_reduce`."""
     step = _STEPS["sum" if op == "avg" else op]
     for t in others:
-        step(out, t.detach())
+        t = t.detach()
+        step(out, t if t.shape == out.shape else t.reshape(out.shape))
     if op != "avg":
         return out
     if out.dtype.is_floating_point or out.dtype.is_complex:
@@ -135,6 +153,8 @@ class Call:
     op: ClassVar[str] = "?"
     reduce_op: str | None = None
     root: int | None = None
+    #: Whether ranks' shapes must be equal too, not only their element counts (set by the world per run).
+    strict_shapes: bool = False
 
     def __init__(self, group_rank: int, group_size: int) -> None:
         self.group_rank = group_rank
@@ -159,6 +179,10 @@ class Call:
     def key(self) -> tuple[Any, ...]:
         """What every rank must agree on (compared against the first arrival)."""
         return (self.op, self.reduce_op, self.root)
+
+    def sig(self, t: torch.Tensor) -> tuple[Any, ...]:
+        """What a buffer of this call must share with its peers' (see :func:`_sig`)."""
+        return _sig(t, self.strict_shapes)
 
     def check_peer(self, first: Call) -> str | None:
         """Return why this call cannot match ``first``, or None."""
@@ -198,8 +222,16 @@ def _shapes(ts: Sequence[torch.Tensor]) -> str:
     return "[" + ", ".join(describe_tensor(t) for t in ts) + "]"
 
 
-def _sig(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.dtype, tuple(t.shape), t.device.type)
+def _sig(t: torch.Tensor, strict: bool = True) -> tuple[Any, ...]:
+    """What two ranks' buffers must share: dtype, device type and the shape (``strict``) or only the
+    element count (what gloo and NCCL compare)."""
+    return (t.dtype, tuple(t.shape) if strict else t.numel(), t.device.type)
+
+
+def copy_flat(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for tensors with the same number of elements, whatever their shapes (a flat buffer,
+    as gloo and NCCL move it)."""
+    dst.copy_(src if src.shape == dst.shape else src.reshape(dst.shape))
 
 
 def _one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
@@ -224,7 +256,7 @@ class AllReduce(Call):
             raise InvalidArgument(f"all_reduce op={self.reduce_op!r}; allowed: {sorted(_REDUCE_OPS)}")
 
     def key(self) -> tuple[Any, ...]:
-        return (*super().key(), _sig(self.tensor))
+        return (*super().key(), self.sig(self.tensor))
 
     def combine(self, calls: Sequence[Call]) -> list[Any]:
         assert self.reduce_op is not None
@@ -245,11 +277,11 @@ class AllReduce(Call):
         if result is not first:
             first.copy_(result)
         for t in ts[1:]:
-            t.copy_(first)
+            copy_flat(t, first)
         return {}
 
     def finish(self, source: Any) -> None:
-        self.tensor.copy_(source)
+        copy_flat(self.tensor, source)
 
     def outputs(self) -> list[torch.Tensor]:
         return [self.tensor]
@@ -271,7 +303,7 @@ class Reduce(AllReduce):
 
     def finish(self, source: Any) -> None:
         if self.group_rank == self.root:
-            self.tensor.copy_(source)
+            copy_flat(self.tensor, source)
 
 
 def _check_root(call: Call) -> None:
@@ -297,7 +329,7 @@ class Broadcast(Call):
         _check_root(self)
 
     def key(self) -> tuple[Any, ...]:
-        return (*super().key(), _sig(self.tensor))
+        return (*super().key(), self.sig(self.tensor))
 
     def combine(self, calls: Sequence[Call]) -> list[Any]:
         assert self.root is not None
@@ -313,14 +345,14 @@ class Broadcast(Call):
         failed: dict[int, BaseException] = {}
         for c in others:  # straight from the root's tensor: no staging copy
             try:
-                c.tensor.copy_(src)  # type: ignore[attr-defined]
+                copy_flat(c.tensor, src)  # type: ignore[attr-defined]
             except Exception as exc:
                 failed[c.group_rank] = exc
         return failed
 
     def finish(self, source: Any) -> None:
         if self.group_rank != self.root:
-            self.tensor.copy_(source)
+            copy_flat(self.tensor, source)
 
     def outputs(self) -> list[torch.Tensor]:
         return [self.tensor]
@@ -369,13 +401,14 @@ class AllGather(_IntoList):
             )
 
     def key(self) -> tuple[Any, ...]:
-        return (*super().key(), self.inp.dtype, tuple(tuple(o.shape) for o in self.outs))
+        return (*super().key(), self.inp.dtype, tuple(self.sig(o)[1] for o in self.outs))
 
     def check_all(self, calls: Sequence[Call]) -> str | None:
         for i, c in enumerate(calls):
-            want = tuple(self.outs[i].shape)
-            if tuple(c.inp.shape) != want:  # type: ignore[attr-defined]
-                return f"rank {i} sends {describe_tensor(c.inp)} but output[{i}] expects shape {list(want)}"  # type: ignore[attr-defined]
+            want, sent = self.outs[i], c.inp  # type: ignore[attr-defined]
+            if self.sig(sent)[1] != self.sig(want)[1]:
+                what = f"shape {list(want.shape)}" if self.strict_shapes else f"{want.numel()} elements"
+                return f"rank {i} sends {describe_tensor(sent)} but output[{i}] expects {what}"
         return None
 
 
@@ -401,7 +434,7 @@ class _SingleTensorCall(Call):
             raise InvalidArgument(f"{self.op}: output dtype {self.out.dtype} != input dtype {self.inp.dtype}")
 
     def key(self) -> tuple[Any, ...]:
-        return (*super().key(), _sig(self.inp), _sig(self.out))
+        return (*super().key(), self.sig(self.inp), self.sig(self.out))
 
     def outputs(self) -> list[torch.Tensor]:
         return [self.out]
@@ -485,7 +518,7 @@ class ReduceScatter(Call):
             )
 
     def key(self) -> tuple[Any, ...]:
-        return (*super().key(), tuple(_sig(t) for t in self.inps))
+        return (*super().key(), tuple(self.sig(t) for t in self.inps))
 
     def combine(self, calls: Sequence[Call]) -> list[Any]:
         assert self.reduce_op is not None
@@ -495,7 +528,7 @@ class ReduceScatter(Call):
         ]
 
     def finish(self, source: Any) -> None:
-        self.out.copy_(source)
+        copy_flat(self.out, source)
 
     def outputs(self) -> list[torch.Tensor]:
         return [self.out]
@@ -567,7 +600,7 @@ class AllToAll(Call):
         for i, src in enumerate(calls):
             for j, dst in enumerate(calls):
                 sent, slot = src.inps[j], dst.outs[i]  # type: ignore[attr-defined]
-                if _sig(sent) != _sig(slot):
+                if self.sig(sent) != self.sig(slot):
                     return f"rank {i} sends {describe_tensor(sent)} to rank {j}, whose output[{i}] is {describe_tensor(slot)}"
         return None
 
@@ -674,7 +707,7 @@ class Gather(_IntoList):
             raise InvalidArgument("gather: gather_list must be None on ranks other than the root")
 
     def key(self) -> tuple[Any, ...]:
-        return (*super().key(), _sig(self.inp))
+        return (*super().key(), self.sig(self.inp))
 
 
 
@@ -710,14 +743,14 @@ class Scatter(Call):
             raise InvalidArgument("scatter: scatter_list must be None on ranks other than the root")
 
     def key(self) -> tuple[Any, ...]:
-        return (*super().key(), _sig(self.out))
+        return (*super().key(), self.sig(self.out))
 
     def combine(self, calls: Sequence[Call]) -> list[Any]:
         assert self.root is not None
         return [t.detach().clone() for t in calls[self.root].inps]  # type: ignore[attr-defined]
 
     def finish(self, source: Any) -> None:
-        self.out.copy_(source)
+        copy_flat(self.out, source)
 
     def outputs(self) -> list[torch.Tensor]:
         return [self.out]

@@ -213,6 +213,7 @@ class Session:
         self.ranks = [_RankState() for _ in range(world_size)]
         self.recorder = _trace.current_recorder(world_size)
         self.hazards = bool(_trace.option("async_hazards", False))
+        self.strict_shapes = bool(_trace.option("strict_shapes", False))
 
     def reset(self) -> None:
         """Start a new run on a warm session (called while no rank is inside a run)."""
@@ -224,6 +225,7 @@ class Session:
             self.ranks = [_RankState() for _ in range(self.world_size)]
             self.recorder = _trace.current_recorder(self.world_size)
             self.hazards = bool(_trace.option("async_hazards", False))
+            self.strict_shapes = bool(_trace.option("strict_shapes", False))
 
     def leftovers(self) -> bool:
         """Whether a run left a collective or a transfer half done (then the session cannot be reused)."""
@@ -263,6 +265,7 @@ class Session:
     # -- collectives ---------------------------------------------------------------------------------
     def arrive(self, group: Any, call: C.Call) -> CollectiveWait:
         call.check_local()
+        call.strict_shapes = self.strict_shapes
         seq = group.next_seq()
         key = (group.key, seq)
         mine = call.key()
@@ -369,14 +372,14 @@ class Session:
             other = theirs.popleft()
         send, recv = (wait, other) if kind == "send" else (other, wait)
         error: BaseException | None = None
-        if C._sig(send.tensor) != C._sig(recv.tensor):
+        if C._sig(send.tensor, self.strict_shapes) != C._sig(recv.tensor, self.strict_shapes):
             error = CollectiveMismatch(
                 f"point-to-point mismatch on {where}: rank {send.global_rank} called {send.describe()} but "
                 f"rank {recv.global_rank} called {recv.describe()}"
             )
         else:
             with torch.no_grad():
-                recv.tensor.copy_(send.tensor)
+                C.copy_flat(recv.tensor, send.tensor)
         with self.lock:
             send.complete(error)
             recv.complete(error)

@@ -367,7 +367,12 @@ class _Pool:
         # pipe and process sentinel until that worker replied.
         with selectors.DefaultSelector() as sel:
             if self.key.backend == "gloo":  # its workers' groups post every call to this run's referee
-                referee = _Referee(run_id, len(self.workers), [w.check for w in self.workers])
+                referee = _Referee(
+                    run_id,
+                    len(self.workers),
+                    [w.check for w in self.workers],
+                    strict_shapes=bool(_trace.option("strict_shapes", False)),
+                )
                 for w in self.workers:
                     sel.register(w.check, selectors.EVENT_READ, ("check", w))
             for w in self.workers:

@@ -31,6 +31,11 @@ class _Transfer(NamedTuple):
     what: str
 
 
+def _buffer(meta: Any, strict: bool) -> tuple[Any, ...]:
+    """What a transfer's two sides must share: dtype and element count (gloo's check), or the shape too."""
+    return (meta.dtype, tuple(meta.shape) if strict else meta.numel())
+
+
 class _Referee:
     """Matches the calls every rank of one run posts, and answers each rank with "ok" or an error.
 
@@ -40,8 +45,9 @@ class _Referee:
     cannot complete.
     """
 
-    def __init__(self, run_id: int, world_size: int, conns: list[Connection]) -> None:
+    def __init__(self, run_id: int, world_size: int, conns: list[Connection], strict_shapes: bool = False) -> None:
         self.run_id = run_id
+        self.strict_shapes = strict_shapes  # shapes must be equal, not only element counts (SPEC E2)
         self.world_size = world_size
         self.conns = conns
         self.exchanges: dict[tuple[str, int], _Exchange] = {}
@@ -105,6 +111,7 @@ class _Referee:
         if ex is None:
             label = "world" if gid == "0" and len(members) == self.world_size else f"{gid} {list(members)}"
             ex = self.exchanges[key] = _Exchange(gid, members, seq, f"group {label} (seq {seq})")
+        call.strict_shapes = self.strict_shapes
         what = f"{call.describe()} on {ex.where}"
         self.pending[(rank, post_id)] = (what, key, None)
         ex.posts[rank] = post_id
@@ -196,7 +203,7 @@ class _Referee:
             return
         other = theirs.popleft()
         send, recv = (entry, other) if kind == "send" else (other, entry)
-        if (send.meta.dtype, send.meta.shape) != (recv.meta.dtype, recv.meta.shape):
+        if _buffer(send.meta, self.strict_shapes) != _buffer(recv.meta, self.strict_shapes):
             message = (
                 f"point-to-point mismatch on group {gid}: rank {send.rank} called {send.what} but rank "
                 f"{recv.rank} called {recv.what}"
