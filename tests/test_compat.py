@@ -216,7 +216,8 @@ def test_dtensor_ranks_ending_at_different_times_do_not_deadlock(tmp_path):
 # -- the per-thread c10d world follows torch's own _World, field by field, without a list ----------------------
 def test_no_field_of_torchs_world_object_is_shared_between_rank_threads():
     """Every public field of the running torch's ``distributed_c10d._World`` is per rank thread (torch 2.15
-    added ``pg_flight_recorder_hooks``; the next release may add another). The message names the field."""
+    added ``pg_flight_recorder_hooks``; the next release may add another). The message names the field
+    (contract E15)."""
     problems = _compat.unisolated_world_fields()
     assert not problems, "torch's c10d world has state dstest does not isolate:\n" + "\n".join(problems)
 

@@ -1,5 +1,5 @@
 """Desyncs in real stacks end in a ``RankFailure`` naming the pending call: never a crash, a dead worker or
-the timeout, and the next run on the same threads or workers passes (contracts E3, E4, E11).
+the timeout, and the next run on the same threads or workers passes (contract E13).
 
 A desync is one rank running its training loop differently from its peers: ``k`` more or fewer steps,
 skipping the backward of step ``k``, returning at step ``k`` or raising there, at a step ``k >= 1`` (the

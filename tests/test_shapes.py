@@ -1,4 +1,4 @@
-"""Strict where the backends are strict (SPEC E2): ranks' buffers must agree in dtype and element count, as
+"""Strict where the backends are strict (contracts E2, E10): ranks' buffers must agree in dtype and element count, as
 gloo and NCCL require, not in shape; ``strict_shapes`` also refuses shape-only differences.
 
 Measured with gloo here (torch 2.13, 2 processes): a float32 ``[2, 1, 1]`` broadcast into ``[2]`` delivers the

@@ -638,14 +638,7 @@ def test_dcp_fsdp2_state_dict(ctx, tmp_path):
 # -- pipelining ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 # torch 2.11's schedules warm up the neighbours by sending a 0-d tensor into a 1-element buffer
-# (PipelineStage._get_init_p2p_neighbors_ops); gloo takes the equal byte count, dstest's worlds report the
-# shape mismatch. torch 2.12 replaced the warm-up with a vote that sends matching shapes.
-@pytest.mark.xfail(
-    Version(torch.__version__.split("+")[0]) < Version("2.12"),
-    reason="torch 2.11 pipelining sends float32[] into float32[1]: a p2p shape mismatch to dstest",
-    raises=dstest.RankFailure,
-    strict=True,
-)
+# (PipelineStage._get_init_p2p_neighbors_ops): equal element counts, which gloo and dstest's worlds accept.
 @dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")
 def test_pipelining_schedules(ctx, schedule):
     """W stages of a Linear chain, 4 microbatches: the last stage's losses and every stage's grads equal the
