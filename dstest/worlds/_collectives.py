@@ -41,6 +41,7 @@ from dstest.errors import CollectiveMismatch, InvalidArgument
 __all__ = [
     "CALLS",
     "Call",
+    "PremulSum",
     "check_reduce",
     "copy_flat",
     "copy_tensors",
@@ -87,7 +88,31 @@ _STEPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "bxor": lambda out, t: out.bitwise_xor_(t),
 }
 _INTEGRAL_ONLY = frozenset({"band", "bor", "bxor"})
-_REDUCE_OPS = frozenset({*_STEPS, "avg"})
+_REDUCE_OPS = frozenset({*_STEPS, "avg", "premul_sum"})
+
+
+class PremulSum(str):
+    """The reduce op ``"premul_sum"`` with the calling rank's factor: every rank's input times its own factor,
+    summed (NCCL's ``ncclRedOpCreatePreMulSum``; FSDP2 uses it after ``set_gradient_divide_factor``). Equal
+    to ``"premul_sum"`` whatever the factor, so ranks match on the op as NCCL matches them."""
+
+    factor: Any
+
+    def __new__(cls, factor: Any) -> PremulSum:
+        self = super().__new__(cls, "premul_sum")
+        self.factor = factor
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PremulSum, (self.factor,))
+
+
+def _premul(op: str | None, t: torch.Tensor) -> torch.Tensor:
+    """A rank's operand of a reduction: its input, times its factor under ``premul_sum``."""
+    if isinstance(op, PremulSum):
+        factor = op.factor.to(t.device) if isinstance(op.factor, torch.Tensor) else op.factor
+        return (t.detach() * factor).to(t.dtype)
+    return t
 
 
 def check_reduce(op: str, dtype: torch.dtype) -> None:
@@ -98,13 +123,15 @@ def check_reduce(op: str, dtype: torch.dtype) -> None:
         )
     if op in _INTEGRAL_ONLY and (dtype.is_floating_point or dtype.is_complex):
         raise InvalidArgument(f"reduce op {op!r} on dtype={dtype}: only integer and bool tensors allowed")
+    if op == "premul_sum" and not (dtype.is_floating_point or dtype.is_complex):
+        raise InvalidArgument(f"reduce op 'premul_sum' on dtype={dtype}: only floating-point tensors allowed (as NCCL)")
 
 
 def reduce_into(op: str, out: torch.Tensor, others: Sequence[torch.Tensor], count: int) -> torch.Tensor:
     """Fold ``others`` into ``out`` (which holds the first operand) in rank order; ``count`` operands in
     all. Returns the tensor holding the result: ``out``, or a new one where the result's dtype differs
     (integer "avg"). The op must have passed :func:`check_reduce`."""
-    step = _STEPS["sum" if op == "avg" else op]
+    step = _STEPS["sum" if op in ("avg", "premul_sum") else op]
     for t in others:
         t = t.detach()
         step(out, t if t.shape == out.shape else t.reshape(out.shape))
@@ -260,13 +287,13 @@ class AllReduce(Call):
 
     def combine(self, calls: Sequence[Call]) -> list[Any]:
         assert self.reduce_op is not None
-        result = reduce_tensors(self.reduce_op, [c.tensor for c in calls])  # type: ignore[attr-defined]
+        result = reduce_tensors(self.reduce_op, [_premul(c.reduce_op, c.tensor) for c in calls])  # type: ignore[attr-defined]
         return [result] * len(calls)
 
     def deliver(self, calls: Sequence[Call]) -> dict[int, BaseException]:
         ts: list[torch.Tensor] = [c.tensor for c in calls]  # type: ignore[attr-defined]
         first = ts[0]
-        if not (first.is_contiguous() and _outputs_apart(ts, ())):
+        if self.reduce_op == "premul_sum" or not (first.is_contiguous() and _outputs_apart(ts, ())):
             return super().deliver(calls)
         # In place at every size (the aliasing check costs less than the staging copy; a group of one
         # rank then moves nothing): fold into rank 0's tensor, whose own input is the first operand, then
@@ -523,7 +550,7 @@ class ReduceScatter(Call):
     def combine(self, calls: Sequence[Call]) -> list[Any]:
         assert self.reduce_op is not None
         return [
-            reduce_tensors(self.reduce_op, [c.inps[j] for c in calls])  # type: ignore[attr-defined]
+            reduce_tensors(self.reduce_op, [_premul(c.reduce_op, c.inps[j]) for c in calls])  # type: ignore[attr-defined]
             for j in range(len(calls))
         ]
 
@@ -549,7 +576,7 @@ class ReduceScatterTensor(_SingleTensorCall):
     def combine(self, calls: Sequence[Call]) -> list[Any]:
         assert self.reduce_op is not None
         n = self.out.numel()
-        flat = reduce_tensors(self.reduce_op, [c.inp.reshape(-1) for c in calls])  # type: ignore[attr-defined]
+        flat = reduce_tensors(self.reduce_op, [_premul(c.reduce_op, c.inp.reshape(-1)) for c in calls])  # type: ignore[attr-defined]
         return [flat[j * n : (j + 1) * n] for j in range(len(calls))]
 
     def finish(self, source: Any) -> None:
@@ -558,7 +585,9 @@ class ReduceScatterTensor(_SingleTensorCall):
     def deliver(self, calls: Sequence[Call]) -> dict[int, BaseException]:
         outs: list[torch.Tensor] = [c.out for c in calls]  # type: ignore[attr-defined]
         inps: list[torch.Tensor] = [c.inp for c in calls]  # type: ignore[attr-defined]
-        if not (_large(self.out) and all(o.is_contiguous() for o in outs) and _outputs_apart(outs, inps)):
+        if self.reduce_op == "premul_sum" or not (
+            _large(self.out) and all(o.is_contiguous() for o in outs) and _outputs_apart(outs, inps)
+        ):
             return super().deliver(calls)
         assert self.reduce_op is not None
         check_reduce(self.reduce_op, self.inp.dtype)

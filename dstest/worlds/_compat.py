@@ -5,6 +5,7 @@ Each function names the torch behaviour it papers over. Nothing here runs at imp
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import functools
@@ -235,6 +236,7 @@ class _Hooks:
         self.capture: Callable[[], Callable[[], Any] | None] | None = None
         self.seed: Callable[[Any], None] | None = None
         self.translate: Callable[[Any], Any] | None = None
+        self.own_backend: str | None = None
 
 
 _HOOKS = _Hooks()
@@ -391,13 +393,154 @@ def _mesh_init_per_rank(self: Any, *args: Any, **kwargs: Any) -> None:
     thread id (helper threads a rank starts act as it), so meshes of different ranks differ, as they do in
     different processes, and the same rank's meshes stay equal.
     """
-    _INSTALL.saved["mesh_init"](self, *args, **kwargs)
     world = _INSTALL.world
+    device_type = args[0] if args else kwargs.get("device_type")
+    if (
+        world is not None
+        and world.current() is not None
+        and isinstance(device_type, str)
+        and device_type.startswith("cuda")
+        and not torch.cuda.is_available()
+    ):
+        # torch takes "cuda" without GPUs in a process without LOCAL_RANK (its cross-compilation mode) and
+        # fails later (fully_shard); on a world of launched processes set_device fails here. So here.
+        from dstest.errors import InvalidArgument
+
+        raise InvalidArgument(
+            f"DeviceMesh(device_type={device_type!r}) on a rank of a world without CUDA "
+            f"(torch {torch.__version__}, cuda available: False): use the rank's device, "
+            "init_device_mesh(ctx.device.type, ...), or run the spec on a GPU world"
+        )
+    _INSTALL.saved["mesh_init"](self, *args, **kwargs)
     if world is None or world.current() is None or getattr(self, "_thread_id", 0) is not None:
         return
     if c10d.is_initialized():
         self._thread_id = c10d.get_rank()
         self._hash = None
+
+
+#: torch's process-wide module hooks (``register_module_forward_pre_hook`` and friends), by module global.
+_GLOBAL_MODULE_HOOKS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_forward_hooks_always_called",
+    "_global_forward_hooks_with_kwargs",
+)
+
+
+class _RankModuleHooks(collections.OrderedDict):  # type: ignore[type-arg]
+    """One of torch's process-wide module-hook tables while rank threads are installed.
+
+    A hook registered on a rank thread runs for that rank's modules only, as in its own process; hooks
+    registered elsewhere (before the world, on the main thread) stay in torch's own table and run for every
+    thread, as before. ``CommDebugMode`` and torch's module trackers register such hooks: shared, each
+    rank's mode saw every rank's modules ("The Module hierarchy tracking is wrong", KeyErrors).
+    """
+
+    def __init__(self, shared: Any) -> None:
+        super().__init__()
+        self.shared = shared
+        self.by_rank: dict[Any, collections.OrderedDict[Any, Any]] = {}
+
+    @staticmethod
+    def _owner() -> Any:
+        world = _INSTALL.world
+        return world.current() if world is not None else None
+
+    def _mine(self) -> collections.OrderedDict[Any, Any] | None:
+        owner = self._owner()
+        return None if owner is None else self.by_rank.get(owner)
+
+    def _holder(self, key: Any) -> Any:
+        if key in self.shared:
+            return self.shared
+        mine = self._mine()
+        if mine is not None and key in mine:
+            return mine
+        return next((d for d in self.by_rank.values() if key in d), None)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        owner = self._owner()
+        if owner is None:
+            self.shared[key] = value
+        else:
+            self.by_rank.setdefault(owner, collections.OrderedDict())[key] = value
+
+    def __getitem__(self, key: Any) -> Any:
+        holder = self._holder(key)
+        if holder is None:
+            raise KeyError(key)
+        return holder[key]
+
+    def __delitem__(self, key: Any) -> None:
+        holder = self._holder(key)
+        if holder is None:
+            raise KeyError(key)
+        del holder[key]
+
+    def __contains__(self, key: object) -> bool:
+        return self._holder(key) is not None
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        holder = self._holder(key)
+        if holder is None:
+            if default:
+                return default[0]
+            raise KeyError(key)
+        return holder.pop(key)
+
+    def _visible(self) -> list[tuple[Any, Any]]:
+        mine = self._mine()
+        return [*self.shared.items(), *(mine.items() if mine else ())]
+
+    def items(self) -> Any:  # type: ignore[override]
+        return self._visible()
+
+    def values(self) -> Any:  # type: ignore[override]
+        return [v for _, v in self._visible()]
+
+    def keys(self) -> Any:  # type: ignore[override]
+        return [k for k, _ in self._visible()]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        mine = self._mine()
+        return len(self.shared) + (len(mine) if mine else 0)
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+
+#: Backends a group may ask for that rank threads of one process cannot give it: real gloo among threads of
+#: one process runs unchecked and unrecorded (an op mismatch passes), NCCL needs a process per GPU.
+_REDIRECTED_BACKENDS = frozenset({"gloo", "nccl", "cpu:gloo", "cuda:nccl", "cpu:gloo,cuda:nccl", "cuda:nccl,cpu:gloo"})
+
+
+def _group_helper_on_rank_threads(
+    group_size: int, group_rank: Any, global_ranks: list[int], backend: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """``distributed_c10d._new_process_group_helper`` while rank threads are installed.
+
+    ``dist.new_group(ranks, backend="gloo")`` (Megatron makes such groups by default) would build a real
+    gloo group among the rank threads: its calls unchecked, unrecorded and able to hang threads in gloo. On a
+    rank thread such a group is one of the hosting world's own groups instead, and keeps the backend name it
+    asked for (``dist.get_backend(group)`` says "gloo", as on a world of processes).
+    """
+    original = _INSTALL.saved["group_helper"]
+    own = _HOOKS.own_backend
+    world = _INSTALL.world
+    asked = str(backend).lower() if backend is not None else ""
+    if own is None or world is None or world.current() is None or asked not in _REDIRECTED_BACKENDS:
+        return original(group_size, group_rank, global_ranks, backend, *args, **kwargs)
+    pg, store = original(group_size, group_rank, global_ranks, own, *args, **kwargs)
+    state = c10d._world
+    if pg is not None and pg is not c10d.GroupMember.NON_GROUP_MEMBER and pg in state.pg_map:
+        state.pg_map[pg] = (str(backend), state.pg_map[pg][1])
+    return pg, store
 
 
 def _device_mesh_class() -> Any:
@@ -413,6 +556,7 @@ def thread_local_c10d_world(
     capture: Callable[[], Callable[[], Any] | None] | None = None,
     seed: Callable[[Any], None] | None = None,
     translate: Callable[[Any], Any] | None = None,
+    own_backend: str | None = None,
 ) -> Iterator[_ThreadLocalWorld]:
     """Install a thread-local c10d world for the duration of the block (re-entrant across worlds).
 
@@ -427,6 +571,9 @@ def thread_local_c10d_world(
       to one rank at a time (``seed``); ``translate`` maps a foreign rank's group to the caller's own.
     - ``dist.monitored_barrier`` is wrapped so that a non-gloo Python group explains torch's gloo-only limit.
     - ``DeviceMesh.__init__`` is wrapped so that a rank's meshes are its own (``_mesh_init_per_rank``).
+    - torch's process-wide module-hook tables are per rank for hooks a rank registers (``_RankModuleHooks``).
+    - ``_new_process_group_helper`` is wrapped so that a group a rank thread asks of gloo or NCCL is one of
+      the world's own (backend ``own_backend``; ``_group_helper_on_rank_threads``).
     - On a CUDA build without a GPU, the main thread installs torch's fake CUDA guard (``_pin_fake_cuda_guard``).
     """
     with _INSTALL.lock:
@@ -443,6 +590,14 @@ def thread_local_c10d_world(
             torch.random.manual_seed = _serialised_manual_seed
             _INSTALL.saved["monitored_barrier"] = c10d.monitored_barrier
             c10d.monitored_barrier = dist.monitored_barrier = _monitored_barrier
+            import torch.nn.modules.module as module_module
+
+            for name in _GLOBAL_MODULE_HOOKS:
+                if hasattr(module_module, name):
+                    _INSTALL.saved[name] = getattr(module_module, name)
+                    setattr(module_module, name, _RankModuleHooks(_INSTALL.saved[name]))
+            _INSTALL.saved["group_helper"] = c10d._new_process_group_helper
+            c10d._new_process_group_helper = _group_helper_on_rank_threads
             mesh = _device_mesh_class()
             if mesh is not None:
                 _INSTALL.saved["mesh_init"] = mesh.__init__
@@ -453,6 +608,8 @@ def thread_local_c10d_world(
             _HOOKS.seed = seed
         if translate is not None:
             _HOOKS.translate = translate
+        if own_backend is not None:
+            _HOOKS.own_backend = own_backend
         _INSTALL.users += 1
         world = _INSTALL.world
     assert world is not None
@@ -468,6 +625,12 @@ def thread_local_c10d_world(
                 torch.manual_seed = _INSTALL.saved["manual_seed"]
                 torch.random.manual_seed = _INSTALL.saved["manual_seed"]
                 c10d.monitored_barrier = dist.monitored_barrier = _INSTALL.saved["monitored_barrier"]
+                c10d._new_process_group_helper = _INSTALL.saved["group_helper"]
+                import torch.nn.modules.module as module_module
+
+                for name in _GLOBAL_MODULE_HOOKS:
+                    if name in _INSTALL.saved:
+                        setattr(module_module, name, _INSTALL.saved[name])
                 if "mesh_init" in _INSTALL.saved:
                     _device_mesh_class().__init__ = _INSTALL.saved["mesh_init"]
                 _HOOKS.__init__()  # type: ignore[misc]
@@ -651,7 +814,15 @@ _REDUCE_OP_NAMES = {
 
 
 def reduce_op_name(op: Any) -> str:
-    """'sum', 'avg', ... for a ReduceOp or RedOpType (options carry one or the other across versions)."""
+    """'sum', 'avg', ... for a ReduceOp or RedOpType (options carry one or the other across versions);
+    ``premul_sum`` comes with its factor (:class:`dstest.worlds._collectives.PremulSum`), read from the
+    op's pickled state ``(RedOpType.PREMUL_SUM, factor)`` (torch keeps it in a C++ supplement)."""
+    premul = getattr(dist.ReduceOp, "PREMUL_SUM", None)
+    if premul is not None and getattr(op, "op", None) == premul:
+        from dstest.worlds._collectives import PremulSum
+
+        state = op.__getstate__()
+        return PremulSum(state[1] if isinstance(state, tuple) and len(state) > 1 else 1.0)
     for name, short in _REDUCE_OP_NAMES.items():
         member = getattr(dist.ReduceOp, name, None)
         if member is not None and op == member:

@@ -283,7 +283,9 @@ class _WarmCrew:
         self.busy = threading.Lock()
         self.broken = False  # a run left a rank without its default group: the crew cannot serve again
         self.retired = False
-        self._install = _compat.thread_local_c10d_world(_capture_rank_for_thread, _seed_hook, translate_group)
+        self._install = _compat.thread_local_c10d_world(
+            _capture_rank_for_thread, _seed_hook, translate_group, own_backend=BACKEND_NAME
+        )
         self._c10d = self._install.__enter__()
         self._tasks: list[queue.SimpleQueue[Callable[[int], None] | None]] = [
             queue.SimpleQueue() for _ in range(world_size)
@@ -545,7 +547,9 @@ class ThreadedWorld:
         outcome = Outcome(world_size)
         phase = _Countdown(world_size)
         paused = _CollectorPaused(world_size)
-        with _compat.thread_local_c10d_world(_capture_rank_for_thread, _seed_hook, translate_group) as c10d_world:
+        with _compat.thread_local_c10d_world(
+            _capture_rank_for_thread, _seed_hook, translate_group, own_backend=BACKEND_NAME
+        ) as c10d_world:
 
             def rank_main(rank: int) -> None:
                 try:

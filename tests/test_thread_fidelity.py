@@ -1,0 +1,175 @@
+"""The threaded world behaves as a world of processes where process-global state would couple rank threads
+(contract E14): each case here passes on the threaded world as on the process world, or fails there with
+dstest's error naming the cause; none gives a wrong value or a silent pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dstest
+from dstest.errors import RankFailure
+
+pytestmark = pytest.mark.cpu
+
+WORLDS = ["threaded", "process"]
+
+
+# -- groups a rank asks of gloo by name (Megatron's default for its gloo groups) ----------------------------
+def gloo_group_op_mismatch(ctx):
+    group = dist.new_group([0, 1], backend="gloo")
+    t = torch.tensor([1.0 + ctx.rank, 3.0])
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if ctx.rank == 0 else dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def gloo_group_shape_mismatch(ctx):
+    group = dist.new_group([0, 1], backend="gloo")
+    dist.all_reduce(torch.ones(2 + ctx.rank), group=group)
+
+
+def gloo_group_used(ctx):
+    group = dist.new_group(list(range(ctx.world_size)), backend="gloo")
+    t = torch.full((2,), float(ctx.rank))
+    with ctx.comm.window() as w:
+        dist.all_reduce(t, group=group)
+    return dist.get_backend(group), t.tolist(), w.count("all_reduce", group=group)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("body", [gloo_group_op_mismatch, gloo_group_shape_mismatch])
+def test_a_mismatch_on_a_group_made_with_backend_gloo_is_reported(world, body):
+    """On the threaded world such a group was real gloo among threads: SUM on one rank and MAX on the other
+    passed with both ranks at 3.0, and a size mismatch surfaced as gloo's "Connection closed by peer"."""
+    with pytest.raises(RankFailure, match="CollectiveMismatch"):
+        dstest.run(body, 2, world=world)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_group_made_with_backend_gloo_is_checked_recorded_and_still_says_gloo(world):
+    got = dstest.run(gloo_group_used, 3, world=world)
+    assert got == [("gloo", [3.0, 3.0], 1)] * 3
+
+
+# -- ReduceOp.PREMUL_SUM, as NCCL runs it -------------------------------------------------------------------
+def premul_sums(ctx):
+    w, r = ctx.world_size, ctx.rank
+    t = torch.full((3,), float(r + 1))
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5 * (r + 1)))  # each rank its own factor
+    out = torch.empty(2)
+    dist.reduce_scatter_tensor(out, torch.arange(2.0 * w) + 1, op=dist._make_nccl_premul_sum(torch.tensor([0.25])))
+    return t.tolist(), out.tolist()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_premul_sum_scales_each_ranks_input_by_its_own_factor_then_sums(world_size):
+    """NCCL's PREMUL_SUM (FSDP2 uses it after set_gradient_divide_factor, torchtitan's default)."""
+    w = world_size
+    got = dstest.run(premul_sums, w)
+    want_t = sum(0.5 * (r + 1) * (r + 1) for r in range(w))
+    for r, (t, out) in enumerate(got):
+        assert t == [want_t] * 3
+        assert out == [0.25 * w * (2 * r + 1), 0.25 * w * (2 * r + 2)]
+
+
+def test_premul_sum_on_integers_is_refused_naming_the_dtype():
+    def body(ctx):
+        dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist._make_nccl_premul_sum(2.0))
+
+    with pytest.raises(RankFailure, match=r"premul_sum' on dtype=torch.int64: only floating-point"):
+        dstest.run(body, 2)
+
+
+def test_premul_sum_on_the_process_world_is_gloos_own_error_on_every_rank():
+    """gloo has no PREMUL_SUM: the process world says so on every rank (and hangs none), as gloo does."""
+    with pytest.raises(RankFailure) as info:
+        dstest.run(premul_sums, 2, world="process")
+    assert sorted(info.value.exceptions) == [0, 1]
+    assert "Cannot use ReduceOp.PREMUL_SUM with Gloo" in str(info.value)
+
+
+def fsdp2_divide_factor(ctx):
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    fully_shard(model, mesh=init_device_mesh("cpu", (ctx.world_size,)))
+    model.set_gradient_divide_factor(3.0)
+    model(torch.ones(2, 4) * (ctx.rank + 1)).sum().backward()
+    return model.weight.grad.full_tensor()
+
+
+def test_fsdp2_with_a_gradient_divide_factor_matches_the_reference():
+    got = dstest.run(fsdp2_divide_factor, 2)
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3)
+    sum(ref(torch.ones(2, 4) * (r + 1)).sum() for r in range(2)).backward()
+    for g in got:
+        torch.testing.assert_close(g, ref.weight.grad / 3.0)
+
+
+# -- a CUDA mesh on a world without CUDA ---------------------------------------------------------------------
+def cuda_mesh(ctx):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    init_device_mesh("cuda", (ctx.world_size,))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_cuda_mesh_without_cuda_is_refused_at_once(world):
+    """torch accepts it where no LOCAL_RANK is set (its cross-compilation mode) and fails later in
+    fully_shard; a world of launched processes fails in set_device at once, and so do both worlds here."""
+    with pytest.raises(RankFailure) as info:
+        dstest.run(cuda_mesh, 2, world=world)
+    assert sorted(info.value.exceptions) == [0, 1]
+    if world == "threaded":
+        assert "init_device_mesh(ctx.device.type" in str(info.value)
+
+
+# -- torch's debug modes register process-wide module hooks ---------------------------------------------------
+def comm_debug_mode_on_tensor_parallel(ctx):
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    model = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    mode = CommDebugMode()
+    with mode:
+        model(torch.ones(2, 4)).sum().backward()
+    counts = {str(op): n for op, n in mode.get_comm_counts().items()}
+    return mode.get_total_counts(), counts, sorted(mode.get_parameter_info())
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")  # torch's, on input without grad
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_comm_debug_mode_counts_each_ranks_own_modules_as_on_the_process_world(world_size):
+    """CommDebugMode's module tracker hooks are process-wide in torch: on rank threads each rank's mode saw
+    every rank's modules ("Module hierarchy tracking is wrong", KeyError 'Sequential.2')."""
+    want = dstest.run(comm_debug_mode_on_tensor_parallel, world_size, world="process")
+    for _ in range(3):
+        assert dstest.run(comm_debug_mode_on_tensor_parallel, world_size) == want
+    assert want[0][0] == 1 and want[0][2] == ["Sequential.0", "Sequential.2"]
+
+
+def test_a_module_hook_registered_outside_the_world_still_runs_on_every_rank():
+    import torch.nn as nn
+    from torch.nn.modules.module import register_module_forward_hook
+
+    seen: list[int] = []
+    handle = register_module_forward_hook(lambda module, args, out: seen.append(1))
+    try:
+        dstest.run(lambda ctx: nn.Linear(2, 2)(torch.ones(1, 2)), 3)
+    finally:
+        handle.remove()
+    assert len(seen) == 3
+    nn.Linear(2, 2)(torch.ones(1, 2))
+    assert len(seen) == 3  # removed
