@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import dstest
-from dstest.errors import CollectiveMismatch, RankFailure
+from dstest.errors import RankFailure
 
 pytestmark = pytest.mark.cpu
 

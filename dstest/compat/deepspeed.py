@@ -466,14 +466,14 @@ def _world_hidden(set_dist_env: bool) -> Iterator[None]:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    from dstest.worlds._compat import _PerThreadWorld
+    from dstest.worlds._compat import new_rank_state
 
     registry: Any = torch._C._distributed_c10d
     saved = c10d._world
     default = c10d._get_default_group()
     name = default.group_name
     registry._unregister_process_group(name)
-    c10d._world = _PerThreadWorld()  # type: ignore[assignment]
+    c10d._world = new_rank_state()
     c10d._update_default_pg(None)
     if not set_dist_env:
         for key in _DIST_ENV:  # put back by dstest's reset of the environment before the next run

@@ -200,7 +200,7 @@ class Group(dist.ProcessGroup):
 
     # -- torch 2.15's dist.split_group (gloo splits without a bound device since 2.15) ------------------
     @property
-    def _device_types(self) -> list[torch.device]:  # type: ignore[override]
+    def _device_types(self) -> list[torch.device]:
         """The device the group moves tensors on, as gloo's or NCCL's group reports its backend's device
         (a Python group registers no C++ backend, so torch's own answer would be none)."""
         return [self.device]
@@ -235,7 +235,7 @@ class Group(dist.ProcessGroup):
 
     def get_group_store(self) -> Any:
         """The world's rendezvous store under this group's name (what torch records for a split group)."""
-        return dist.PrefixStore(f"{self._name}/", self.session.store)
+        return torch._C._distributed_c10d.PrefixStore(f"{self._name}/", self.session.store)
 
     def getBackendName(self) -> str:
         return BACKEND_NAME

@@ -30,6 +30,7 @@ __all__ = [
     "hash_store",
     "init_rank_process_group",
     "linked_future",
+    "new_rank_state",
     "reduce_op_name",
     "thread_local_c10d_world",
     "thread_local_c10d_world_ensure",
@@ -144,7 +145,12 @@ def _per_thread_world_class() -> type:
     return type("PerThreadWorld", (c10d._World,), namespace)
 
 
-def _PerThreadWorld() -> Any:  # noqa: N802  (used as a class: one rank thread's c10d state)
+#: One rank thread's c10d state: an instance of :func:`_per_thread_world_class` (a subclass of torch's
+#: ``_World``, made at run time).
+RankState = Any
+
+
+def new_rank_state() -> RankState:
     """The c10d state (``distributed_c10d._World``) of one rank thread, sharing nothing with another's."""
     return _per_thread_world_class()()
 
@@ -155,7 +161,7 @@ def unisolated_world_fields() -> list[str]:
     Every public field of torch's ``_World`` is read on two fresh per-thread states: a container that is the
     same object on both, or a value set on one that the other then reads, is shared. Empty when nothing is.
     """
-    a, b = _PerThreadWorld(), _PerThreadWorld()
+    a, b = new_rank_state(), new_rank_state()
     problems: list[str] = []
     for name in dir(c10d._World):
         attr = getattr(c10d._World, name, None)
@@ -182,7 +188,7 @@ class _ThreadLocalWorld:
         self._original = original
         self._local = threading.local()
 
-    def bind(self) -> _PerThreadWorld:
+    def bind(self) -> RankState:
         """Give the calling (rank) thread its own c10d state and keep its backward on this thread.
 
         Autograd runs backward of CUDA tensors on its own device threads, where the rank's thread-local
@@ -190,11 +196,11 @@ class _ThreadLocalWorld:
         switch is per thread (autograd state is thread-local), hence set here, on the rank thread.
         """
         torch.autograd.set_multithreading_enabled(False)
-        state = _PerThreadWorld()
+        state = new_rank_state()
         self._local.state = state
         return state
 
-    def adopt(self, state: _PerThreadWorld | None) -> None:
+    def adopt(self, state: RankState | None) -> None:
         """Make the calling (helper) thread share a rank's state, or drop it (None)."""
         if state is None:
             self._local.__dict__.pop("state", None)
@@ -202,7 +208,7 @@ class _ThreadLocalWorld:
             torch.autograd.set_multithreading_enabled(False)
             self._local.state = state
 
-    def current(self) -> _PerThreadWorld | None:
+    def current(self) -> RankState | None:
         return getattr(self._local, "state", None)
 
     def unbind(self) -> None:
@@ -495,13 +501,13 @@ class _RankModuleHooks(collections.OrderedDict):  # type: ignore[type-arg]
         mine = self._mine()
         return [*self.shared.items(), *(mine.items() if mine else ())]
 
-    def items(self) -> Any:  # type: ignore[override]
+    def items(self) -> Any:
         return self._visible()
 
-    def values(self) -> Any:  # type: ignore[override]
+    def values(self) -> Any:
         return [v for _, v in self._visible()]
 
-    def keys(self) -> Any:  # type: ignore[override]
+    def keys(self) -> Any:
         return [k for k, _ in self._visible()]
 
     def __iter__(self) -> Iterator[Any]:
@@ -597,7 +603,7 @@ def thread_local_c10d_world(
                     _INSTALL.saved[name] = getattr(module_module, name)
                     setattr(module_module, name, _RankModuleHooks(_INSTALL.saved[name]))
             _INSTALL.saved["group_helper"] = c10d._new_process_group_helper
-            c10d._new_process_group_helper = _group_helper_on_rank_threads
+            c10d._new_process_group_helper = _group_helper_on_rank_threads  # type: ignore[assignment]
             mesh = _device_mesh_class()
             if mesh is not None:
                 _INSTALL.saved["mesh_init"] = mesh.__init__
@@ -653,13 +659,13 @@ def thread_local_c10d_world_ensure() -> None:
             c10d._world = _INSTALL.world  # type: ignore[assignment]
 
 
-def current_rank_state() -> _PerThreadWorld | None:
+def current_rank_state() -> RankState | None:
     """The calling rank thread's c10d state (to hand to a thread it starts)."""
     world = _INSTALL.world
     return world.current() if world is not None else None
 
 
-def adopt_rank_state(state: _PerThreadWorld | None) -> None:
+def adopt_rank_state(state: RankState | None) -> None:
     """Make the calling thread use a rank's c10d state (None: drop it)."""
     world = _INSTALL.world
     if world is not None:
