@@ -38,6 +38,8 @@ _EXPORTS = {
     "RankFailure": "dstest.errors",
     "WorkerDied": "dstest.errors",
     "WorldTimeout": "dstest.errors",
+    "WorldsDiverge": "dstest.errors",
+    "crosscheck": "dstest.crosscheck",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -58,6 +60,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from dstest.context import RankContext as RankContext
+    from dstest.crosscheck import crosscheck as crosscheck
     from dstest.errors import (
         CollectiveMismatch as CollectiveMismatch,
     )
@@ -81,6 +84,9 @@ if TYPE_CHECKING:
     )
     from dstest.errors import (
         WorkerDied as WorkerDied,
+    )
+    from dstest.errors import (
+        WorldsDiverge as WorldsDiverge,
     )
     from dstest.errors import (
         WorldTimeout as WorldTimeout,

@@ -96,6 +96,10 @@ class WorkAborted(DstestError, RuntimeError):
     """
 
 
+class WorldsDiverge(DstestError, AssertionError):
+    """The same body gave different per-rank results or collective traces on two worlds (``dstest.crosscheck``)."""
+
+
 class WorkerDied(DstestError, RuntimeError):
     """A worker process of the process world died or stopped answering."""
 

@@ -173,3 +173,85 @@ def test_a_module_hook_registered_outside_the_world_still_runs_on_every_rank():
     assert len(seen) == 3
     nn.Linear(2, 2)(torch.ones(1, 2))
     assert len(seen) == 3  # removed
+
+
+# -- torch's one global RNG, shared by rank threads ----------------------------------------------------------
+def seed_once_draw_after_a_collective(ctx):
+    torch.manual_seed(0)
+    dist.barrier()
+    got = torch.randn(4)
+    torch.manual_seed(0)  # the reference: what this rank's own process would draw after its seed
+    want = torch.randn(4)
+    torch.testing.assert_close(got, want)
+
+
+def seed_and_draw_before_the_collective(ctx):
+    torch.manual_seed(0)
+    got = torch.randn(4)
+    dist.barrier()
+    assert ctx.rank >= 0 and got.shape == (4,)
+    raise AssertionError("an unrelated failure")
+
+
+def test_a_failure_after_interleaved_draws_from_the_global_rng_says_so():
+    """A test that seeds once and draws after a collective (torch's own tests do) fails on rank threads with a
+    bare "Tensor-likes are not close!"; the report now names the shared RNG and what to do. Such draws only
+    annotate a failure, never cause one: code whose values do not depend on them is right on both worlds."""
+    with pytest.raises(RankFailure) as info:
+        dstest.run(seed_once_draw_after_a_collective, 2)
+    text = str(info.value)
+    assert "seeded torch's global RNG" in text and "ctx.generator" in text and 'worlds=["process"]' in text
+    assert dstest.run(seed_once_draw_after_a_collective, 2, world="process") == [None, None]
+
+
+def test_a_failure_without_draws_after_the_collective_has_no_rng_note():
+    with pytest.raises(RankFailure) as info:
+        dstest.run(seed_and_draw_before_the_collective, 2)
+    assert "an unrelated failure" in str(info.value) and "global RNG" not in str(info.value)
+
+
+# -- a library that keeps its groups in module globals (Megatron's parallel_state, in its own pattern) --------
+_TENSOR_MODEL_PARALLEL_GROUP = None
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int) -> None:
+    """parallel_state.initialize_model_parallel's pattern: every rank makes every group, keeps its own."""
+    global _TENSOR_MODEL_PARALLEL_GROUP
+    assert _TENSOR_MODEL_PARALLEL_GROUP is None, "tensor model parallel group is already initialized"
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for start in range(0, world, tensor_model_parallel_size):
+        ranks = list(range(start, start + tensor_model_parallel_size))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            _TENSOR_MODEL_PARALLEL_GROUP = group
+
+
+def destroy_model_parallel() -> None:
+    global _TENSOR_MODEL_PARALLEL_GROUP
+    _TENSOR_MODEL_PARALLEL_GROUP = None
+
+
+def megatron_style_training_setup(ctx):
+    try:
+        initialize_model_parallel(2)
+        t = torch.ones(1)
+        dist.all_reduce(t, group=_TENSOR_MODEL_PARALLEL_GROUP)
+        return t.item()
+    finally:
+        destroy_model_parallel()
+
+
+def test_groups_kept_in_module_globals_fail_naming_the_global_and_the_process_world():
+    """On rank threads the second rank finds the first rank's group in the global (Megatron's own "already
+    initialized"); the report names the module global that holds a rank's group and says world="process",
+    where the same code runs (each process has its own globals)."""
+    assert dstest.run(megatron_style_training_setup, 4, world="process") == [2.0] * 4
+    with pytest.raises(RankFailure) as info:
+        dstest.run(megatron_style_training_setup, 4)
+    text = str(info.value)
+    # Named either by the global that held a rank's group when dstest looked, or by the failing function of
+    # the module that makes the groups (a rank that fails at once may have cleared the global already).
+    assert (
+        "_TENSOR_MODEL_PARALLEL_GROUP (rank " in text or "test_thread_fidelity.initialize_model_parallel" in text
+    ), text
+    assert 'world="process"' in text and "already initialized" in text
