@@ -104,6 +104,7 @@ class _State:
     warm_runs: int = 0
     ports: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # world size -> (port, pids)
     given: set[int] = field(default_factory=set)  # every MASTER_PORT this session gave ranks
+    strict_shapes: bool = False  # --dstest-strict-shapes: shape-only differences are mismatches too
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -121,7 +122,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
         if not torch.cuda.is_available():
             os.environ["DS_ACCELERATOR"] = "cpu"  # before the test modules import DeepSpeed
-    config.stash[_STATE_KEY] = _State()
+    config.stash[_STATE_KEY] = _State(strict_shapes=bool(config.getoption("--dstest-strict-shapes", False)))
     import importlib.util
 
     if importlib.util.find_spec("deepspeed") is not None:
@@ -319,6 +320,7 @@ def _run_warm(state: _State, test: Any, nodeid: str, procs: int) -> None:
     __tracebackhide__ = True
     from dstest.errors import RankFailure, WorkerDied, WorldTimeout
     from dstest.specification import SKIP_LOCATION_ATTR
+    from dstest.worlds import _trace
     from dstest.worlds.process import ProcessWorld
 
     try:
@@ -343,9 +345,10 @@ def _run_warm(state: _State, test: Any, nodeid: str, procs: int) -> None:
     timeout = float(getattr(test, "exec_timeout", 600))
     state.warm_runs += 1
     try:
-        results = ProcessWorld().run(
-            _rank_main, procs, args=(payload, ref, list(sys.path), port, hide), timeout=timeout, seed=0
-        )
+        with _trace.run_options(strict_shapes=state.strict_shapes):
+            results = ProcessWorld().run(
+                _rank_main, procs, args=(payload, ref, list(sys.path), port, hide), timeout=timeout, seed=0
+            )
     except (RankFailure, WorldTimeout, WorkerDied) as exc:
         setattr(exc, "_dstest_ds_report", _failure_text(nodeid, exc))  # noqa: B010 (read back by makereport)
         raise
