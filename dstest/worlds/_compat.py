@@ -485,6 +485,11 @@ class _RankModuleHooks(collections.OrderedDict):  # type: ignore[type-arg]
         if holder is None:
             raise KeyError(key)
         del holder[key]
+        self._drop_empty()
+
+    def _drop_empty(self) -> None:
+        for owner in [o for o, hooks in self.by_rank.items() if not hooks]:
+            del self.by_rank[owner]
 
     def __contains__(self, key: object) -> bool:
         return self._holder(key) is not None
@@ -495,10 +500,12 @@ class _RankModuleHooks(collections.OrderedDict):  # type: ignore[type-arg]
             if default:
                 return default[0]
             raise KeyError(key)
-        return holder.pop(key)
+        value = holder.pop(key)
+        self._drop_empty()
+        return value
 
     def _visible(self) -> list[tuple[Any, Any]]:
-        mine = self._mine()
+        mine = self._mine() if self.by_rank else None
         return [*self.shared.items(), *(mine.items() if mine else ())]
 
     def items(self) -> Any:
@@ -513,7 +520,9 @@ class _RankModuleHooks(collections.OrderedDict):  # type: ignore[type-arg]
     def __iter__(self) -> Iterator[Any]:
         return iter(self.keys())
 
-    def __len__(self) -> int:
+    def __len__(self) -> int:  # asked on every module call: no rank hooks, no thread lookup
+        if not self.by_rank:
+            return len(self.shared)
         mine = self._mine()
         return len(self.shared) + (len(mine) if mine else 0)
 
