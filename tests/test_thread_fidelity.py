@@ -255,3 +255,59 @@ def test_groups_kept_in_module_globals_fail_naming_the_global_and_the_process_wo
         "_TENSOR_MODEL_PARALLEL_GROUP (rank " in text or "test_thread_fidelity.initialize_model_parallel" in text
     ), text
     assert 'world="process"' in text and "already initialized" in text
+
+
+# -- process-wide tables torch's stacks add to and remove from (found by the audit of torch's caches) ---------
+def loss_parallel_cross_entropy(ctx):
+    """torch.distributed.tensor.parallel.loss_parallel: its handlers go into DTensor's one dispatcher table
+    on entry and come out on exit; the first rank thread to leave took them from the others (a KeyError at
+    their exit, or a backward without them: an all_gather the first rank never joined)."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 4 * ctx.world_size, generator=g, requires_grad=True)
+    target = torch.randint(4 * ctx.world_size, (4,), generator=g)
+    dlogits = distribute_tensor(logits, mesh, [Shard(1)])
+    with loss_parallel():
+        loss = F.cross_entropy(dlogits, target, reduction="mean")
+        loss.backward()
+    want = F.cross_entropy(logits.detach(), target, reduction="mean")
+    torch.testing.assert_close(loss.full_tensor(), want)
+    return loss.full_tensor(), dlogits.grad.to_local()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_loss_parallel_on_rank_threads_matches_the_process_world(world_size):
+    for _ in range(3):
+        dstest.crosscheck(loss_parallel_cross_entropy, world_size, rtol=1e-6, atol=1e-6)
+
+
+def optimizer_step_hooks(ctx):
+    import torch.nn as nn
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = {"mine": 0, "others": 0}
+
+    def count(optimizer, args, kwargs):
+        seen["mine" if optimizer is opt else "others"] += 1
+
+    handle = register_optimizer_step_post_hook(count)
+    dist.barrier()
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    dist.barrier()
+    handle.remove()
+    return seen
+
+
+def test_a_global_optimizer_hook_a_rank_registers_sees_that_ranks_optimizers_only():
+    """register_optimizer_step_post_hook is one table per process (MemTracker uses it): each rank's hook ran
+    for every rank's optimizer step, and MemTracker counted other ranks' optimizer states."""
+    assert dstest.run(optimizer_step_hooks, 3) == [{"mine": 1, "others": 0}] * 3
+    dstest.crosscheck(optimizer_step_hooks, 3)

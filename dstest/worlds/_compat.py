@@ -530,6 +530,47 @@ class _RankModuleHooks(collections.OrderedDict):  # type: ignore[type-arg]
         return len(self) > 0
 
 
+#: torch's process-wide optimizer hooks (``register_optimizer_step_pre_hook`` / ``_post_hook``; MemTracker).
+_GLOBAL_OPTIMIZER_HOOKS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+
+
+class _CountedHandlers(dict):  # type: ignore[type-arg]
+    """DTensor's custom op handlers (``DTensor._op_dispatcher._custom_op_handlers``) while rank threads are
+    installed: an entry added by several ranks stays until the last of them removes it.
+
+    ``loss_parallel()`` adds its handlers on entry and pops them on exit; with ranks as threads the first
+    rank to leave took them from the others still inside (a KeyError at their exit, or a backward without
+    them: an all_gather the first rank never joined). The handlers are the same functions on every rank, so
+    counting who holds them gives each rank what its own process would have. A real dict: torch's C++
+    dispatch reads it directly.
+    """
+
+    def __init__(self, entries: Any) -> None:
+        super().__init__(entries)
+        self.holders: dict[Any, int] = {}
+
+    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        for key, value in dict(*args, **kwargs).items():
+            self.holders[key] = self.holders.get(key, 0) + 1
+            dict.__setitem__(self, key, value)
+
+    def pop(self, key: Any, *default: Any) -> Any:  # type: ignore[override]
+        count = self.holders.get(key, 0)
+        if count > 1:
+            self.holders[key] = count - 1
+            return dict.__getitem__(self, key)
+        self.holders.pop(key, None)
+        return dict.pop(self, key, *default)
+
+
+def _dtensor_dispatcher() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    return getattr(DTensor, "_op_dispatcher", None)
+
+
 #: Backends a group may ask for that rank threads of one process cannot give it: real gloo among threads of
 #: one process runs unchecked and unrecorded (an op mismatch passes), NCCL needs a process per GPU.
 _REDIRECTED_BACKENDS = frozenset({"gloo", "nccl", "cpu:gloo", "cuda:nccl", "cpu:gloo,cuda:nccl", "cuda:nccl,cpu:gloo"})
@@ -586,7 +627,8 @@ def thread_local_c10d_world(
       to one rank at a time (``seed``); ``translate`` maps a foreign rank's group to the caller's own.
     - ``dist.monitored_barrier`` is wrapped so that a non-gloo Python group explains torch's gloo-only limit.
     - ``DeviceMesh.__init__`` is wrapped so that a rank's meshes are its own (``_mesh_init_per_rank``).
-    - torch's process-wide module-hook tables are per rank for hooks a rank registers (``_RankModuleHooks``).
+    - torch's process-wide module-hook and optimizer-hook tables are per rank for hooks a rank registers
+      (``_RankModuleHooks``); DTensor's custom op handlers are held per rank (``_CountedHandlers``).
     - ``_new_process_group_helper`` is wrapped so that a group a rank thread asks of gloo or NCCL is one of
       the world's own (backend ``own_backend``; ``_group_helper_on_rank_threads``).
     - On a CUDA build without a GPU, the main thread installs torch's fake CUDA guard (``_pin_fake_cuda_guard``).
@@ -606,11 +648,18 @@ def thread_local_c10d_world(
             _INSTALL.saved["monitored_barrier"] = c10d.monitored_barrier
             c10d.monitored_barrier = dist.monitored_barrier = _monitored_barrier
             import torch.nn.modules.module as module_module
+            import torch.optim.optimizer as optimizer_module
 
-            for name in _GLOBAL_MODULE_HOOKS:
-                if hasattr(module_module, name):
-                    _INSTALL.saved[name] = getattr(module_module, name)
-                    setattr(module_module, name, _RankModuleHooks(_INSTALL.saved[name]))
+            for module, names in ((module_module, _GLOBAL_MODULE_HOOKS), (optimizer_module, _GLOBAL_OPTIMIZER_HOOKS)):
+                for name in names:
+                    if hasattr(module, name):
+                        _INSTALL.saved[name] = getattr(module, name)
+                        setattr(module, name, _RankModuleHooks(_INSTALL.saved[name]))
+            dispatcher = _dtensor_dispatcher()
+            handlers = getattr(dispatcher, "_custom_op_handlers", None)
+            if isinstance(handlers, dict) and not isinstance(handlers, _CountedHandlers):
+                _INSTALL.saved["op_handlers"] = handlers
+                dispatcher._custom_op_handlers = _CountedHandlers(handlers)
             _INSTALL.saved["group_helper"] = c10d._new_process_group_helper
             c10d._new_process_group_helper = _group_helper_on_rank_threads  # type: ignore[assignment]
             mesh = _device_mesh_class()
@@ -642,10 +691,20 @@ def thread_local_c10d_world(
                 c10d.monitored_barrier = dist.monitored_barrier = _INSTALL.saved["monitored_barrier"]
                 c10d._new_process_group_helper = _INSTALL.saved["group_helper"]
                 import torch.nn.modules.module as module_module
+                import torch.optim.optimizer as optimizer_module
 
-                for name in _GLOBAL_MODULE_HOOKS:
-                    if name in _INSTALL.saved:
-                        setattr(module_module, name, _INSTALL.saved[name])
+                for module, names in ((module_module, _GLOBAL_MODULE_HOOKS), (optimizer_module, _GLOBAL_OPTIMIZER_HOOKS)):
+                    for name in names:
+                        if name in _INSTALL.saved:
+                            setattr(module, name, _INSTALL.saved[name])
+                if "op_handlers" in _INSTALL.saved:
+                    dispatcher = _dtensor_dispatcher()
+                    current = getattr(dispatcher, "_custom_op_handlers", None)
+                    original = _INSTALL.saved["op_handlers"]
+                    if isinstance(current, _CountedHandlers):  # what ranks left in it, back in torch's own dict
+                        original.clear()
+                        original.update(dict(current))
+                    dispatcher._custom_op_handlers = original
                 if "mesh_init" in _INSTALL.saved:
                     _device_mesh_class().__init__ = _INSTALL.saved["mesh_init"]
                 _HOOKS.__init__()  # type: ignore[misc]
