@@ -549,12 +549,12 @@ class _CountedHandlers(dict):  # type: ignore[type-arg]
         super().__init__(entries)
         self.holders: dict[Any, int] = {}
 
-    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+    def update(self, *args: Any, **kwargs: Any) -> None:
         for key, value in dict(*args, **kwargs).items():
             self.holders[key] = self.holders.get(key, 0) + 1
             dict.__setitem__(self, key, value)
 
-    def pop(self, key: Any, *default: Any) -> Any:  # type: ignore[override]
+    def pop(self, key: Any, *default: Any) -> Any:
         count = self.holders.get(key, 0)
         if count > 1:
             self.holders[key] = count - 1
