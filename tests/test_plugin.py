@@ -194,6 +194,11 @@ def test_plain():
 
 def _guest(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", raising=False)  # dstest comes from its entry point
+    # The guest is a plain pytest session, not a worker of this one's xdist: other plugins of the environment
+    # act on these (pytest-benchmark, on CI's python, warns "Benchmarks are automatically disabled", an error
+    # under the guest's filterwarnings = error).
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(name, raising=False)
     pytester.makeini(GUEST_INI)
     pytester.makeconftest(GUEST_CONFTEST)
     pytester.makepyfile(test_guest=GUEST_TESTS)
