@@ -27,6 +27,7 @@ __all__ = [
     "current_rank_state",
     "declare_self_recording",
     "drop_subgroups",
+    "hold_late_imports",
     "hash_store",
     "init_rank_process_group",
     "linked_future",
@@ -418,6 +419,7 @@ def _mesh_init_per_rank(self: Any, *args: Any, **kwargs: Any) -> None:
             "init_device_mesh(ctx.device.type, ...), or run the spec on a GPU world"
         )
     _INSTALL.saved["mesh_init"](self, *args, **kwargs)
+    hold_late_imports()  # DTensor code a body imports comes before its meshes
     if world is None or world.current() is None or getattr(self, "_thread_id", 0) is not None:
         return
     if c10d.is_initialized():
@@ -563,12 +565,40 @@ class _CountedHandlers(dict):  # type: ignore[type-arg]
         return dict.pop(self, key, *default)
 
 
-def _dtensor_dispatcher() -> Any:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return None
-    return getattr(DTensor, "_op_dispatcher", None)
+def _hold_op_handlers() -> None:
+    """Under the install lock: make DTensor's custom op handlers a :class:`_CountedHandlers`, once DTensor is
+    imported (never importing it here: 0.6 s, and a module a test runner removes from ``sys.modules`` after an
+    inline run must not be imported twice, which torch's operator registration refuses). Called when rank
+    threads are installed and at every world start."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None) if module is not None else None
+    dispatcher: Any = getattr(dtensor, "_op_dispatcher", None)
+    handlers = getattr(dispatcher, "_custom_op_handlers", None)
+    if isinstance(handlers, dict) and not isinstance(handlers, _CountedHandlers) and "op_handlers" not in _INSTALL.saved:
+        _INSTALL.saved["op_dispatcher"], _INSTALL.saved["op_handlers"] = dispatcher, handlers
+        dispatcher._custom_op_handlers = _CountedHandlers(handlers)
+
+
+def hold_late_imports() -> None:
+    """On a rank thread making a group: hold what a body's own imports brought in since the world started
+    (DTensor's handler table, see :func:`_hold_op_handlers`), before the body can use it."""
+    if "torch.distributed.tensor" not in sys.modules or "op_handlers" in _INSTALL.saved:
+        return
+    with _INSTALL.lock:
+        if _INSTALL.users > 0:
+            _hold_op_handlers()
+
+
+def _release_op_handlers() -> None:
+    """Put torch's own handler dict back, with what ranks left in it."""
+    dispatcher, original = _INSTALL.saved.get("op_dispatcher"), _INSTALL.saved.get("op_handlers")
+    if dispatcher is None or original is None:
+        return
+    current = getattr(dispatcher, "_custom_op_handlers", None)
+    if isinstance(current, _CountedHandlers):
+        original.clear()
+        original.update(dict(current))
+    dispatcher._custom_op_handlers = original
 
 
 #: Backends a group may ask for that rank threads of one process cannot give it: real gloo among threads of
@@ -655,16 +685,12 @@ def thread_local_c10d_world(
                     if hasattr(module, name):
                         _INSTALL.saved[name] = getattr(module, name)
                         setattr(module, name, _RankModuleHooks(_INSTALL.saved[name]))
-            dispatcher = _dtensor_dispatcher()
-            handlers = getattr(dispatcher, "_custom_op_handlers", None)
-            if isinstance(handlers, dict) and not isinstance(handlers, _CountedHandlers):
-                _INSTALL.saved["op_handlers"] = handlers
-                dispatcher._custom_op_handlers = _CountedHandlers(handlers)
+            _hold_op_handlers()
             _INSTALL.saved["group_helper"] = c10d._new_process_group_helper
             c10d._new_process_group_helper = _group_helper_on_rank_threads  # type: ignore[assignment]
             mesh = _device_mesh_class()
             if mesh is not None:
-                _INSTALL.saved["mesh_init"] = mesh.__init__
+                _INSTALL.saved["mesh_class"], _INSTALL.saved["mesh_init"] = mesh, mesh.__init__
                 mesh.__init__ = _mesh_init_per_rank
         if capture is not None:
             _HOOKS.capture = capture
@@ -697,16 +723,9 @@ def thread_local_c10d_world(
                     for name in names:
                         if name in _INSTALL.saved:
                             setattr(module, name, _INSTALL.saved[name])
-                if "op_handlers" in _INSTALL.saved:
-                    dispatcher = _dtensor_dispatcher()
-                    current = getattr(dispatcher, "_custom_op_handlers", None)
-                    original = _INSTALL.saved["op_handlers"]
-                    if isinstance(current, _CountedHandlers):  # what ranks left in it, back in torch's own dict
-                        original.clear()
-                        original.update(dict(current))
-                    dispatcher._custom_op_handlers = original
+                _release_op_handlers()
                 if "mesh_init" in _INSTALL.saved:
-                    _device_mesh_class().__init__ = _INSTALL.saved["mesh_init"]
+                    _INSTALL.saved["mesh_class"].__init__ = _INSTALL.saved["mesh_init"]
                 _HOOKS.__init__()  # type: ignore[misc]
                 _INSTALL.world = None
                 _INSTALL.saved.clear()
@@ -723,6 +742,7 @@ def thread_local_c10d_world_ensure() -> None:
         if _INSTALL.users == 0 or _INSTALL.world is None:
             return
         _set_isolation(True)
+        _hold_op_handlers()  # DTensor imported since the install (a body's own import)
         if c10d._world is not _INSTALL.world:  # type: ignore[comparison-overlap]
             c10d._world = _INSTALL.world  # type: ignore[assignment]
 

@@ -260,6 +260,7 @@ class ThreadedSession(Session):
 
     def register_group(self, group: Any) -> None:
         super().register_group(group)
+        _compat.hold_late_imports()
         self.shared_globals.group_made(self)
 
     def claim_rng(self, rank: int) -> None:
