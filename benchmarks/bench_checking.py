@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from dstest.errors import RankFailure
 from dstest.worlds.process import ProcessWorld, shutdown_all
+from dstest.worlds.request import RunRequest
 
 WORLD = ProcessWorld()
 
@@ -127,11 +128,11 @@ def _latency(world_size: int, reps: int) -> dict[str, Any]:
     correct, mismatch = [], []
     for _ in range(reps):
         start = time.perf_counter()
-        WORLD.run(_correct, world_size)
+        WORLD.run(RunRequest(_correct, world_size))
         correct.append(time.perf_counter() - start)
         start = time.perf_counter()
         try:
-            WORLD.run(_mismatch, world_size)
+            WORLD.run(RunRequest(_mismatch, world_size))
         except RankFailure:
             pass
         else:
@@ -153,11 +154,11 @@ def main() -> None:
     results: dict[str, Any] = {"torch": torch.__version__, "checking": [], "detail_wrapper": [], "latency": []}
     try:
         for ws in world_sizes:
-            per_rank = WORLD.run(_compare, ws, args=(kinds, sizes, reps, rounds), timeout=1800)
+            per_rank = WORLD.run(RunRequest(_compare, ws, args=(kinds, sizes, reps, rounds), timeout=1800))
             for i in range(len(per_rank[0])):
                 worst = max(per_rank, key=lambda rows: rows[i]["checked_s"])[i]  # a collective ends on its slowest rank
                 results["checking"].append({"world_size": ws, **worst})
-            per_rank = WORLD.run(_detail_wrapper, ws, args=(sizes, reps, rounds), timeout=1800)
+            per_rank = WORLD.run(RunRequest(_detail_wrapper, ws, args=(sizes, reps, rounds), timeout=1800))
             for i in range(len(per_rank[0])):
                 worst = max(per_rank, key=lambda rows: rows[i]["detail_s"])[i]
                 results["detail_wrapper"].append({"world_size": ws, **worst})

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _timing import median_seconds
 
 from dstest.errors import RankFailure
+from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld, shutdown_all
 
 WORLD = ThreadedWorld(warm=True)
@@ -72,7 +73,7 @@ def _body(ctx: Any, case: str, broken: bool) -> None:
 
 def _run(case: str, broken: bool, world_size: int) -> None:
     try:
-        WORLD.run(_body, world_size, args=(case, broken), timeout=TIMEOUT)
+        WORLD.run(RunRequest(_body, world_size, args=(case, broken), timeout=TIMEOUT))
     except RankFailure:
         if not broken:
             raise

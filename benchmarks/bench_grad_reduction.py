@@ -26,6 +26,7 @@ import torch
 # impl as a namespace package).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import impl
+from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld
 
 STAGES = (1, 2)
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"torch": torch.__version__, "device": args.device, "steps": args.steps, "worlds": []}
     began = time.perf_counter()
     for ws in sizes:
-        result = world.run(_run, ws, args=(args.steps, args.warmup), timeout=600)[0]
+        result = world.run(RunRequest(_run, ws, args=(args.steps, args.warmup), timeout=600))[0]
         ratios = _ratios(result["rows"])
         report["worlds"].append(
             {"world_size": ws, "params": result["params"], "rows": result["rows"], "ratios": ratios}

@@ -33,6 +33,7 @@ from _timing import median_seconds
 from _torch_threaded import run_torch_threaded
 
 from dstest.worlds.process import ProcessWorld, shutdown_all
+from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld
 from dstest.worlds.threaded import shutdown_all as threaded_shutdown_all
 
@@ -94,13 +95,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     rows: dict[int, dict[str, float]] = {}
     for ws in sizes:
-        threaded.run(trivial_spec, ws)  # warm-up: backend registration, first thread creation
-        process.run(trivial_spec, ws)
+        threaded.run(RunRequest(trivial_spec, ws))  # warm-up: backend registration, first thread creation
+        process.run(RunRequest(trivial_spec, ws))
         run_torch_threaded(_torch_threads_body, ws)
         rows[ws] = {
-            "threaded": median_seconds(lambda ws=ws: threaded.run(trivial_spec, ws), args.reps),
-            "threaded_cold": median_seconds(lambda ws=ws: cold.run(trivial_spec, ws), args.reps),
-            "process": median_seconds(lambda ws=ws: process.run(trivial_spec, ws), args.reps),
+            "threaded": median_seconds(lambda ws=ws: threaded.run(RunRequest(trivial_spec, ws)), args.reps),
+            "threaded_cold": median_seconds(lambda ws=ws: cold.run(RunRequest(trivial_spec, ws)), args.reps),
+            "process": median_seconds(lambda ws=ws: process.run(RunRequest(trivial_spec, ws)), args.reps),
             "torch_threads": median_seconds(lambda ws=ws: run_torch_threaded(_torch_threads_body, ws), args.reps),
         }
     shutdown_all()  # the spawn baseline gets the cores to itself

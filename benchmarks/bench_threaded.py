@@ -37,6 +37,7 @@ from _timing import median_seconds
 from _torch_threaded import run_torch_threaded
 
 from dstest.worlds.fake import FakeWorld
+from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld, shutdown_all, warm_thread_cap
 
 WORLD = ThreadedWorld(warm=True)
@@ -133,7 +134,7 @@ def small(sizes: list[int], reps: int, rounds: int) -> list[dict[str, Any]]:
         for kind in SMALL:
             ours, theirs, ev = [], [], []
             for _ in range(rounds):  # interleaved, so both sides see the same load
-                ours.append(max(WORLD.run(_dstest_loop, w, args=(kind, 1024, reps), timeout=600)))
+                ours.append(max(WORLD.run(RunRequest(_dstest_loop, w, args=(kind, 1024, reps), timeout=600))))
                 if kind != "send_recv":
                     theirs.append(max(run_torch_threaded(lambda r, ws: _loop(r, ws, kind, 1024, reps), w)))  # noqa: B023
                 ev.append(handoff("event", 1000))
@@ -154,7 +155,7 @@ def bandwidth(sizes: list[int], reps: int) -> list[dict[str, Any]]:
         # of a reduce-scatter or an all_reduce (all n elements per rank here).
         src_all, dst_all = torch.ones(n * w), torch.empty(n * w)
         for kind in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
-            per_call = max(WORLD.run(_dstest_loop, w, args=(kind, nbytes, reps), timeout=600))
+            per_call = max(WORLD.run(RunRequest(_dstest_loop, w, args=(kind, nbytes, reps), timeout=600)))
             memcpy = median_seconds(lambda: dst_all.copy_(src_all), max(reps, 5))  # noqa: B023
             rows.append({"bytes": nbytes, "collective": kind, "seconds": per_call,
                          "memcpy_all_ranks_seconds": memcpy, "ratio_to_memcpy_all_ranks": per_call / memcpy})
@@ -200,12 +201,12 @@ def scale(world_sizes: list[int], torch_max: int, cold_only: list[int]) -> list[
     for body in BODIES:
         for ws in world_sizes + (cold_only if body == "all_gather_into_tensor" else []):
             start = time.perf_counter()
-            COLD.run(_ours, ws, args=(body,), timeout=900)
+            COLD.run(RunRequest(_ours, ws, args=(body,), timeout=900))
             cold = time.perf_counter() - start
             warm = None
             if ws not in cold_only and ws <= warm_thread_cap():
-                WORLD.run(_ours, ws, args=(body,), timeout=900)
-                warm = median_seconds(lambda: WORLD.run(_ours, ws, args=(body,), timeout=900), 3)  # noqa: B023
+                WORLD.run(RunRequest(_ours, ws, args=(body,), timeout=900))
+                warm = median_seconds(lambda: WORLD.run(RunRequest(_ours, ws, args=(body,), timeout=900)), 3)  # noqa: B023
                 shutdown_all()
             theirs = None
             if ws <= torch_max and ws not in cold_only:
@@ -236,7 +237,7 @@ def _rss_kib() -> int:
 def rss_per_warm_rank(ws: int) -> dict[str, Any]:
     shutdown_all()
     before = _rss_kib()
-    WORLD.run(_noop, ws)
+    WORLD.run(RunRequest(_noop, ws))
     after = _rss_kib()
     shutdown_all()
     return {"world_size": ws, "rss_kib_before": before, "rss_kib_after": after,
@@ -283,7 +284,7 @@ def main() -> None:
     print(f"\nRSS per idle warm rank: {results['rss']['kib_per_idle_warm_rank']:.0f} KiB "
           f"(crew of {results['rss']['world_size']})")
     start = time.perf_counter()
-    FakeWorld().run(_ours, 65536, args=("all_gather_into_tensor",))
+    FakeWorld().run(RunRequest(_ours, 65536, args=("all_gather_into_tensor",)))
     results["fake_65536_seconds"] = time.perf_counter() - start
     print(f"fake world, 65,536 ranks (ranks 0 and 65535 simulated): {results['fake_65536_seconds']:.3f} s")
     results["load_at_end"] = os.getloadavg()

@@ -35,6 +35,7 @@ from _torch_threaded import run_torch_threaded
 
 from dstest.worlds.process import ProcessWorld
 from dstest.worlds.process import shutdown_all as shutdown_processes
+from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld
 from dstest.worlds.threaded import shutdown_all as shutdown_threads
 
@@ -111,9 +112,9 @@ def _on_dstest(ctx: Any, name: str, *args: Any) -> float:
 def _run(world: str, name: str, ws: int, args: tuple[Any, ...]) -> float:
     """One whole run; returns the slowest rank's per-step time."""
     if world == "dstest_threaded":
-        per_rank = THREADED.run(_on_dstest, ws, args=(name, *args), timeout=600)
+        per_rank = THREADED.run(RunRequest(_on_dstest, ws, args=(name, *args), timeout=600))
     elif world == "dstest_process":
-        per_rank = PROCESS.run(_on_dstest, ws, args=(name, *args), timeout=600)
+        per_rank = PROCESS.run(RunRequest(_on_dstest, ws, args=(name, *args), timeout=600))
     else:
         per_rank = run_torch_threaded(lambda r, w: BODIES[name](r, w, *args), ws)
     return max(per_rank)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from dstest.worlds import _trace
 from dstest.worlds.fake import FakeWorld
+from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld
 
 
@@ -73,10 +74,10 @@ def side_by_side(world: Any, world_size: int, nbytes: int, reps: int, rounds: in
 
     def one() -> tuple[float, float]:
         cpu = time.process_time()
-        wall = max(world.run(_loop, world_size, args=(nbytes, reps)))
+        wall = max(world.run(RunRequest(_loop, world_size, args=(nbytes, reps))))
         return wall, (time.process_time() - cpu) / (reps * ranks * (1 if ranks > 1 else 2))
 
-    world.run(_loop, world_size, args=(nbytes, 10))  # warm
+    world.run(RunRequest(_loop, world_size, args=(nbytes, 10)))  # warm
     for _ in range(rounds):
         on.append(one())
         with _Off():

@@ -38,6 +38,7 @@ import torch
 # The checkout, not an installed copy (an editable install made before impl/__init__.py existed maps
 # impl as a namespace package).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld
 from impl.comm.collectives import all_gather_into
 from impl.zero.gather import ParamGatherer
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"torch": torch.__version__, "device": args.device, "reps": args.reps, "worlds": []}
     began = time.perf_counter()
     for ws in world_sizes:
-        result = world.run(_run, ws, args=(sizes, group_sizes, args.reps, args.warmup), timeout=600)[0]
+        result = world.run(RunRequest(_run, ws, args=(sizes, group_sizes, args.reps, args.warmup), timeout=600))[0]
         report["worlds"].append({"world_size": ws, **result})
         print(f"\nW={ws}, median of {args.reps} gathers on rank 0 ({args.device}, threaded world)")
         print(f"{'N':>9} {'P':>8} {'cached us':>10} {'alloc+copy us':>14} {'alloc+copy / cached':>20}")

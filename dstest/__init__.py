@@ -16,6 +16,7 @@ _EXPORTS = {
     "WORLD_NAMES": "dstest.worlds",
     "World": "dstest.worlds",
     "get_world": "dstest.worlds",
+    "RunRequest": "dstest.worlds.request",
     "TOPOLOGIES": "dstest.groups",
     "GroupBuilder": "dstest.groups",
     "ShardLayout": "dstest.shards",

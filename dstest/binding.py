@@ -1,7 +1,7 @@
 """Binding the system under test onto each rank: the spec layer's half of "worlds know nothing of targets".
 
-:class:`TargetBinding` travels with a rank function (inside a :class:`dstest.worlds.protocol.RankCall` or a
-spec's keyword arguments) and, on the rank, applies the target's environment and attaches ``ctx.target``.
+:class:`TargetBinding` travels as a run request's ``setup`` (:class:`dstest.worlds.request.RunRequest`) and, on
+the rank, applies the target's environment and attaches ``ctx.target``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from dstest.errors import InvalidArgument
-from dstest.worlds.protocol import check_target
+from dstest.registry import check_target
 
 __all__ = ["TargetBinding"]
 

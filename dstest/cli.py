@@ -22,6 +22,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from dstest.worlds.request import DEFAULT_TIMEOUT
+
 __all__ = ["main", "pytest_args"]
 
 
@@ -103,7 +105,7 @@ def pytest_args(
     *,
     world_sizes: Sequence[int] | None = None,
     keyword: str | None = None,
-    timeout: float = 120.0,
+    timeout: float = DEFAULT_TIMEOUT,
     collect_only: bool = False,
     plugins: Sequence[str] = (),
 ) -> list[str]:
@@ -167,7 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="pytest -k expression over spec names and contracts (e.g. 'A1', 'B4 and not fp16'), or a glob (e.g. 'B*')",
     )  # fmt: skip
     parser.add_argument(
-        "--timeout", type=_timeout, default=120.0, help="seconds per world run, > 0 and <= 86400 (default 120)"
+        "--timeout",
+        type=_timeout,
+        default=DEFAULT_TIMEOUT,
+        help=f"seconds per world run, > 0 and <= 86400 (default {DEFAULT_TIMEOUT:g})",
     )
     parser.add_argument("--json", metavar="PATH", type=_output("--json"), help="write every result as JSON")
     parser.add_argument("--junit", metavar="PATH", type=_output("--junit"), help="write JUnit XML")

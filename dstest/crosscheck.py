@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dstest.errors import InvalidArgument, RankFailure, WorldsDiverge
+from dstest.worlds.request import DEFAULT_SEED, DEFAULT_TIMEOUT
 
 __all__ = ["crosscheck", "trace_signature"]
 
@@ -113,8 +114,8 @@ def crosscheck(
     args: Sequence[Any] = (),
     kwargs: dict[str, Any] | None = None,
     worlds: Sequence[str] = ("threaded", "process"),
-    timeout: float = 60.0,
-    seed: int = 0,
+    timeout: float = DEFAULT_TIMEOUT,
+    seed: int = DEFAULT_SEED,
     rtol: float = 0.0,
     atol: float = 0.0,
 ) -> list[Any]:

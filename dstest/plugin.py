@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from dstest.worlds.request import DEFAULT_SEED, DEFAULT_TIMEOUT  # light: no torch import
+
 # --dstest-html (the conformance report of a pytest run as one HTML page) has its hooks in its own module.
 pytest_plugins = ["dstest.html_plugin"]
 
@@ -143,8 +145,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         OPT_TIMEOUT,
         type=_parse_timeout,
-        default=60.0,
-        help="seconds before a world is failed with every rank's stack: > 0, at most 86400 (default 60)",
+        default=DEFAULT_TIMEOUT,
+        help=f"seconds before a world is failed with every rank's stack: > 0, at most 86400 (default {DEFAULT_TIMEOUT:g})",
     )
     group.addoption(
         OPT_TARGET,
@@ -166,7 +168,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="keep only specs whose function name or SPEC contract matches this glob (e.g. 'B*', '*sum*')",
     )
     group.addoption(
-        OPT_SEED, type=_parse_seed, default=0, help="base seed of every rank's generator, an int >= 0 (default 0)"
+        OPT_SEED,
+        type=_parse_seed,
+        default=DEFAULT_SEED,
+        help=f"base seed of every rank's generator, an int >= 0 (default {DEFAULT_SEED})",
     )
     group.addoption(
         OPT_MARK_UNMARKED,

@@ -35,6 +35,8 @@ __all__ = [
     "BUILTIN_WORLD_MARKERS",
     "TARGET_ENTRY_POINTS",
     "WORLD_ENTRY_POINTS",
+    "check_target",
+    "check_world_name",
     "is_entry_point_target",
     "register_target",
     "register_world",
@@ -236,3 +238,19 @@ def world_marker(name: str) -> str:
             raise InvalidArgument(f"world {name!r}: marker={marker!r}; a world's marker must be 'cpu' or 'gpu'")
         _PLUGIN_MARKERS[name] = marker
     return marker
+
+
+def check_target(value: object, name: str = "target") -> str:
+    """``value`` if it names a known system under test: built in or a registered plug-in (imports no target)."""
+    names = target_names()
+    if not isinstance(value, str) or value not in names:
+        raise InvalidArgument(f"{name}={value!r}: unknown target; allowed: {', '.join(names)}")
+    return value
+
+
+def check_world_name(value: object, name: str = "world") -> str:
+    """``value`` if it names a known world: built in or a registered plug-in (imports no world)."""
+    names = world_names()
+    if not isinstance(value, str) or value not in names:
+        raise InvalidArgument(f"{name}={value!r}: unknown world; allowed: {', '.join(names)}")
+    return value

@@ -29,15 +29,9 @@ from typing import Any, TypeVar
 
 from dstest.binding import TargetBinding
 from dstest.errors import InvalidArgument, InvalidSpec, InvalidWorldSize, RankFailure
-from dstest.worlds.protocol import (
-    RankCall,
-    check_rank_function,
-    check_run_arguments,
-    check_seed,
-    check_target,
-    check_timeout,
-    check_world_name,
-)
+from dstest.registry import check_target, check_world_name
+from dstest.worlds.protocol import check_rank_function, check_seed, check_timeout
+from dstest.worlds.request import DEFAULT_SEED, DEFAULT_TIMEOUT, RunRequest
 
 __all__ = [
     "CASE_ARG",
@@ -57,7 +51,6 @@ SETTINGS_ARG = "dstest_settings"
 #: The keyword that carries a spec method's ``self`` to its ranks (see :class:`_Instance`).
 INSTANCE_ARG = "_dstest_instance"
 #: The keyword that carries a spec's :class:`TargetBinding` to its ranks (popped by the rank adapter).
-TARGET_ARG = "_dstest_target"
 #: Where pytest's report of a skip should point: ``(path, 1-based line)``, set on the Skipped raised by
 #: :func:`run_spec` and read by the plugin's ``pytest_runtest_makereport``.
 SKIP_LOCATION_ATTR = "dstest_location"
@@ -68,9 +61,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 class SpecInfo:
     """What ``@dstest.spec`` recorded about a spec body.
 
-    ``fn`` is what the worlds call as ``fn(ctx, **params)``: an adapter that binds the run's target onto
-    ``ctx`` (a :class:`TargetBinding` in the params under :data:`TARGET_ARG`) and calls ``body(ctx,
-    **params)``, or for a method of a test class ``body(self, ctx, **params)`` (``self`` travels under
+    ``fn`` is what the worlds call as ``fn(ctx, **params)`` (after the run request's setup bound the target
+    onto ``ctx``): an adapter that calls ``body(ctx, **params)``, or for a method of a test class ``body(self, ctx, **params)`` (``self`` travels under
     :data:`INSTANCE_ARG`). It carries the body's module and qualified name, so a world that sends
     functions by reference finds it through the spec (``spec_info(module.qualname).fn``). ``body`` is the
     function as the user wrote it.
@@ -112,9 +104,9 @@ class Case:
 class Settings:
     """Run settings shared by every case (from the ``--dstest-*`` options); checked on creation."""
 
-    timeout: float = 60.0
+    timeout: float = DEFAULT_TIMEOUT
     target: str = "impl"
-    seed: int = 0
+    seed: int = DEFAULT_SEED
     async_hazards: bool = False
     strict_shapes: bool = False
 
@@ -240,18 +232,15 @@ def _instance_from_blob(blob: bytes) -> _Instance:
 
 
 def _rank_adapter(body: Callable[..., Any], method: bool) -> Callable[..., Any]:
-    """``fn(ctx, **params)`` for the worlds: binds the target, then calls ``body(ctx, **params)``.
+    """``fn(ctx, **params)`` for the worlds: calls ``body(ctx, **params)``.
 
-    For a method of a test class it calls ``body(self, ctx, **params)``. The binding and ``self`` travel
-    in the params (:data:`TARGET_ARG`, :data:`INSTANCE_ARG`), so the adapter survives worlds that send
+    For a method of a test class it calls ``body(self, ctx, **params)``. ``self`` travels in the params
+    (:data:`INSTANCE_ARG`), so the adapter survives worlds that send
     functions by reference: it takes the body's module and qualified name, and the process world finds it
     through the spec wrapper, whose :class:`SpecInfo` holds it.
     """
 
     def call(ctx: Any, *args: Any, **kwargs: Any) -> Any:
-        binding = kwargs.pop(TARGET_ARG, None)
-        if binding is not None:
-            binding(ctx)
         if not method:
             return body(ctx, *args, **kwargs)
         holder = kwargs.pop(INSTANCE_ARG, None)
@@ -283,7 +272,7 @@ def _check_body_parameters(fn: Callable[..., Any], method: bool) -> list[inspect
             f"def {fn.__name__}{shape}"
         )
     rest = params[len(leading) :]
-    taken = [p.name for p in rest if p.name in (CASE_ARG, SETTINGS_ARG, INSTANCE_ARG, TARGET_ARG)]
+    taken = [p.name for p in rest if p.name in (CASE_ARG, SETTINGS_ARG, INSTANCE_ARG)]
     if taken:
         raise InvalidSpec(f"spec {fn.__qualname__}: parameter names {taken} are reserved by dstest; rename them")
     odd = [p.name for p in rest if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY)]
@@ -420,8 +409,8 @@ def run(
     world: str = "threaded",
     args: Sequence[Any] = (),
     kwargs: dict[str, Any] | None = None,
-    timeout: float = 60.0,
-    seed: int = 0,
+    timeout: float = DEFAULT_TIMEOUT,
+    seed: int = DEFAULT_SEED,
     target: str = "impl",
     async_hazards: bool = False,
     strict_shapes: bool = False,
@@ -447,24 +436,23 @@ def run(
     if info is not None:
         if info.method:
             raise InvalidSpec(f"{info.source.__qualname__} is a spec method of a test class: run it through pytest")
-    check_run_arguments(world_size, timeout, fn if info is None else info.fn, args=args, kwargs=kwargs)
-    check_seed(seed)  # None is "not given" to check_run_arguments; here it is a bad value
-    check_target(target)
     check_world_name(world)
     check_async_hazards(async_hazards, [world])
     check_strict_shapes(strict_shapes)
-    from dstest.worlds import _trace, get_world
+    request = RunRequest(
+        fn if info is None else info.fn,
+        world_size,
+        args=args,
+        kwargs=kwargs or {},
+        timeout=timeout,
+        seed=seed,
+        setup=TargetBinding(target),  # binding(ctx) on every rank, then fn
+        async_hazards=async_hazards,
+        strict_shapes=strict_shapes or (info is not None and info.strict_shapes),
+    )
+    from dstest.worlds import get_world
 
-    instance = get_world(world)
-    binding = TargetBinding(target)
-    if info is not None:  # a @dstest.spec function: its adapter binds the target (and survives by-reference)
-        call: Callable[..., Any] = info.fn
-        kwargs = {**(kwargs or {}), TARGET_ARG: binding}
-    else:
-        call = RankCall(fn, binding)  # binding(ctx) on every rank, then fn
-    strict = strict_shapes or (info is not None and info.strict_shapes)
-    with _trace.run_options(async_hazards=async_hazards, strict_shapes=strict):
-        results = instance.run(call, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed)
+    results = get_world(world).run(request)
     _refuse_unrun_results(results, fn, generators=False)
     return results
 
@@ -513,7 +501,7 @@ def run_spec(
     """
     import pytest
 
-    from dstest.worlds import _trace, get_world
+    from dstest.worlds import get_world
 
     world = get_world(case.world)
     reason = world.unavailable_reason(case.world_size)
@@ -522,13 +510,18 @@ def run_spec(
     kwargs = dict(params)
     if info.method:
         kwargs[INSTANCE_ARG] = _Instance(instance)
-    timeout = info.timeout or settings.timeout
-    check_run_arguments(case.world_size, timeout, info.fn, kwargs=kwargs, seed=settings.seed, target=settings.target)
-    kwargs[TARGET_ARG] = TargetBinding(settings.target)  # the adapter (info.fn) binds it on every rank
-    hazards = (info.async_hazards or settings.async_hazards) and case.world in HAZARD_WORLDS
+    request = RunRequest(
+        info.fn,
+        case.world_size,
+        kwargs=kwargs,
+        timeout=info.timeout or settings.timeout,
+        seed=settings.seed,
+        setup=TargetBinding(settings.target),  # on every rank, before the body
+        async_hazards=(info.async_hazards or settings.async_hazards) and case.world in HAZARD_WORLDS,
+        strict_shapes=info.strict_shapes or settings.strict_shapes,
+    )
     try:
-        with _trace.run_options(async_hazards=hazards, strict_shapes=info.strict_shapes or settings.strict_shapes):
-            results = world.run(info.fn, case.world_size, kwargs=kwargs, timeout=timeout, seed=settings.seed)
+        results = world.run(request)
     except RankFailure as failure:
         from dstest.errors import WorldAborted
 

@@ -17,6 +17,7 @@ import dstest
 from dstest.errors import InvalidArgument, InvalidSpec, RankFailure
 from dstest.worlds import _compat
 from dstest.worlds.fake import FakeWorld
+from dstest.worlds.request import RunRequest
 
 pytestmark = pytest.mark.cpu
 
@@ -191,7 +192,7 @@ def test_fake_world_counts_at_65536_ranks() -> None:
             "groups": sorted(w.by_group()),
         }
 
-    got = FakeWorld().run(body, W)
+    got = FakeWorld().run(RunRequest(body, W))
     assert len(got) == 2  # ranks 0 and 65,535
     for result in got:
         assert result["counts"] == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1, "all_reduce": 1}
@@ -208,7 +209,7 @@ def test_long_rank_lists_are_abbreviated_in_group_labels() -> None:
             dist.all_reduce(torch.zeros(1), group=g)
         return sorted(ctx.comm.by_group())
 
-    assert FakeWorld(ranks=[0]).run(body, 1024) == [["1 [0, 2, 4, ..., 1022] (512 ranks)"]]
+    assert FakeWorld(ranks=[0]).run(RunRequest(body, 1024)) == [["1 [0, 2, 4, ..., 1022] (512 ranks)"]]
 
 
 def test_bad_op_name_is_a_clear_error() -> None:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from dstest.worlds import _compat
+from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld
 
 pytestmark = pytest.mark.cpu
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.cpu
 @pytest.mark.parametrize("warm", [False, True])
 def test_rank_threads_have_their_own_c10d_world_and_the_main_thread_keeps_its_own(warm):
     """c10d keeps its world in module globals; each rank thread must see its own default group."""
-    seen = ThreadedWorld(warm=warm).run(lambda ctx: (dist.get_rank(), dist.get_world_size()), 3)
+    seen = ThreadedWorld(warm=warm).run(RunRequest(lambda ctx: (dist.get_rank(), dist.get_world_size()), 3))
     assert seen == [(0, 3), (1, 3), (2, 3)]
     assert not dist.is_initialized()  # the main thread's c10d state is untouched
 
@@ -31,7 +32,7 @@ def test_init_process_group_does_not_stack_excepthooks(warm):
     """torch 2.13 wraps sys.excepthook in every init_process_group (a "[rankN]" prefix per call)."""
     hook = sys.excepthook
     for _ in range(3):
-        ThreadedWorld(warm=warm).run(lambda ctx: None, 4)
+        ThreadedWorld(warm=warm).run(RunRequest(lambda ctx: None, 4))
     assert sys.excepthook is hook
 
 
@@ -45,7 +46,7 @@ def test_backward_runs_on_the_rank_thread():
         (w * (ctx.rank + 1)).sum().backward()
         return torch._C._is_multithreading_enabled(), w.grad.tolist()
 
-    got = ThreadedWorld().run(body, 2)
+    got = ThreadedWorld().run(RunRequest(body, 2))
     assert got == [(False, [3.0, 3.0, 3.0])] * 2
 
 
@@ -71,7 +72,7 @@ def test_single_tensor_collectives_under_both_names():
             assert torch.equal(out, out2)
         return out.tolist(), rs.tolist()
 
-    got = ThreadedWorld().run(body, 2)
+    got = ThreadedWorld().run(RunRequest(body, 2))
     assert got[0] == ([0.0, 0.0, 1.0, 1.0], [2.0, 2.0])
 
 
@@ -86,7 +87,7 @@ def test_batch_isend_irecv_without_coalescing_support():
             work.wait()
         return buf.tolist()
 
-    assert ThreadedWorld().run(body, 2) == [[1.0, 1.0], [0.0, 0.0]]
+    assert ThreadedWorld().run(RunRequest(body, 2)) == [[1.0, 1.0], [0.0, 0.0]]
 
 
 def test_thread_local_world_is_removed_when_the_last_world_ends():
@@ -95,7 +96,7 @@ def test_thread_local_world_is_removed_when_the_last_world_ends():
     shutdown_all()  # warm crews of earlier tests hold the thread-local world
     assert _compat._INSTALL.users == 0
     original = c10d._world
-    ThreadedWorld().run(lambda ctx: None, 2)
+    ThreadedWorld().run(RunRequest(lambda ctx: None, 2))
     assert c10d._world is original
 
 
@@ -121,7 +122,7 @@ def test_monitored_barrier_on_a_rank_thread_says_it_is_gloo_only_and_is_restored
         dist.barrier()
         return True
 
-    assert ThreadedWorld().run(body, 2) == [True, True]
+    assert ThreadedWorld().run(RunRequest(body, 2)) == [True, True]
     assert c10d.monitored_barrier is original and dist.monitored_barrier is original
 
 
@@ -181,6 +182,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld
 
 def body(ctx):
@@ -191,7 +193,7 @@ def body(ctx):
     return float(d.to_local().sum())
 
 for _ in range(60):
-    assert ThreadedWorld(warm=False).run(body, 8) == [4 * 22.0] * 8
+    assert ThreadedWorld(warm=False).run(RunRequest(body, 8)) == [4 * 22.0] * 8
 print("survived")
 """
 
@@ -243,7 +245,7 @@ def test_fields_torch_keeps_on_its_world_object_are_fresh_per_rank_thread():
     ``_pg_flight_recorder_hooks``) comes from torch's own constructor on every rank thread's state, so a field
     added there needs nothing from dstest; and a rank thread's group tables are its own."""
     seen = ThreadedWorld().run(
-        lambda ctx: (type(c10d._world._target()).__mro__[1], set(vars(c10d._world._target()))), 2
+        RunRequest(lambda ctx: (type(c10d._world._target()).__mro__[1], set(vars(c10d._world._target()))), 2)
     )
     own = set(vars(c10d._World()))
     for base, fields in seen:
@@ -263,4 +265,4 @@ def test_destroying_groups_on_rank_threads_clears_every_table_of_their_own_world
         return [name for name in dir(type(state)) if name.startswith("pg_") and name != "pg_config_info"
                 and isinstance(getattr(state, name), dict) and getattr(state, name)]
 
-    assert ThreadedWorld().run(body, 2) == [[], []]
+    assert ThreadedWorld().run(RunRequest(body, 2)) == [[], []]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dstest.worlds.fake import FakeWorld
+from dstest.worlds.request import RunRequest
 
 pytestmark = pytest.mark.cpu
 
@@ -48,7 +49,7 @@ def _mesh_and_dtensor(ctx: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("world_size", SIZES)
 def test_device_mesh_and_dtensor_shards(world_size: int) -> None:
     W, dp = world_size, world_size // TP
-    first, last = FakeWorld().run(_mesh_and_dtensor, W, timeout=600)
+    first, last = FakeWorld().run(RunRequest(_mesh_and_dtensor, W, timeout=600))
     for got in (first, last):
         assert got["sizes"] == (dp, TP)
         # distribute_tensor places mesh dim by mesh dim: the weight scatters on dp and on tp, the bias is
@@ -107,7 +108,7 @@ def test_fsdp2_plan_bytes_per_rank_and_per_collective(world_size: int) -> None:
     """
     W = world_size
     flat = 3 * W + 70
-    first, last = FakeWorld().run(_fsdp2_step, W, timeout=600)
+    first, last = FakeWorld().run(RunRequest(_fsdp2_step, W, timeout=600))
     assert first["shards"] == [(4, 16), (4,), (1, 3 * W + 1), (1,)]
     assert last["shards"] == [(0, 16), (0,), (0, 3 * W + 1), (0,)]
     mine = 4 * (4 * 16 + 4 + (3 * W + 1) + 1)  # rank 0's fp32 bytes

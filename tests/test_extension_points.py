@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from dstest import cli
+from dstest.worlds.request import RunRequest
 
 pytestmark = pytest.mark.cpu
 
@@ -52,9 +53,9 @@ class TinyWorld:
     def unavailable_reason(self, world_size):
         return None
 
-    def run(self, fn, world_size, *, args=(), kwargs=None, timeout=60.0, seed=0):
-        RUNS.append(world_size)
-        return get_world("threaded").run(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed)
+    def run(self, request):
+        RUNS.append(request.world_size)
+        return get_world("threaded").run(request)
 
 
 def pytest_dstest_targets():
@@ -196,7 +197,7 @@ def test_world_run_knows_no_target() -> None:
     from dstest.worlds import get_world
 
     with pytest.raises(RankFailure) as failure:
-        get_world("threaded").run(_target_name, 2)
+        get_world("threaded").run(RunRequest(_target_name, 2))
     raised = failure.value.exceptions
     # The first rank to fail aborts the world: a rank that had not reached ctx.target yet unwinds with
     # WorldAborted (a consequence) instead of raising its own InvalidSpec.

@@ -17,6 +17,7 @@ from dstest import strategies as dst
 from dstest.errors import CollectiveMismatch, InvalidArgument, RankFailure, WorldTimeout
 from dstest.programs import KINDS, Program, execute
 from dstest.worlds import _compat
+from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld
 
 pytestmark = pytest.mark.cpu
@@ -47,7 +48,7 @@ def test_mutated_program_raises_instead_of_hanging(data, world_size):
     assume(len(participants) >= 2 and victim in participants)
     programs = [_mutate(program, step) if r == victim else program for r in range(world_size)]
     with pytest.raises(RankFailure) as info:
-        WORLD.run(_per_rank, world_size, args=(programs,), timeout=20)
+        WORLD.run(RunRequest(_per_rank, world_size, args=(programs,), timeout=20))
     assert not isinstance(info.value, WorldTimeout)
     primary = [e for e in info.value.exceptions.values() if isinstance(e, CollectiveMismatch | InvalidArgument)]
     assert primary, str(info.value)
@@ -86,11 +87,11 @@ def test_200_failing_worlds_leak_nothing():
     for i in range(200):
         kind = FAULTS[i % len(FAULTS)]
         with pytest.raises((RankFailure, WorldTimeout)):
-            WORLD.run(_fault, 3, args=(kind,), timeout=20)
+            WORLD.run(RunRequest(_fault, 3, args=(kind,), timeout=20))
         outcomes[kind] = outcomes.get(kind, 0) + 1
     for _ in range(3):
         with pytest.raises(WorldTimeout):
-            WORLD.run(_fault, 3, args=("hang",), timeout=0.3)
+            WORLD.run(RunRequest(_fault, 3, args=("hang",), timeout=0.3))
     assert sum(outcomes.values()) == 200
     assert [t.name for t in threading.enumerate() if t.name.startswith(("dstest-rank", "dstest-fake"))] == []
     assert c10d._world is original and sys.excepthook is hook

@@ -19,6 +19,7 @@ from dstest import get_world
 from dstest import strategies as dst
 from dstest.programs import GLOO_KINDS, Program, execute
 from dstest.worlds import _compat
+from dstest.worlds.request import RunRequest
 
 pytestmark = pytest.mark.cpu
 THREADED = get_world("threaded")
@@ -39,8 +40,8 @@ def _gloo_safe(program: Program) -> Program:
 @given(data=st.data())
 def test_e1_threaded_equals_gloo(world_size, data):
     program = _gloo_safe(data.draw(dst.programs(world_size, kinds=KINDS)))
-    want = GLOO.run(execute, world_size, args=(program,), timeout=60)
-    got = THREADED.run(execute, world_size, args=(program,), timeout=60)
+    want = GLOO.run(RunRequest(execute, world_size, args=(program,), timeout=60))
+    got = THREADED.run(RunRequest(execute, world_size, args=(program,), timeout=60))
     for rank in range(world_size):
         for step, (g, w) in enumerate(zip(got[rank], want[rank])):
             assert (g is None) == (w is None), (rank, step)
@@ -65,8 +66,8 @@ def test_e1_singleton_and_subgroups_against_gloo(world_size):
             splits = tuple(tuple((i + j) % 3 for j in range(n)) for i in range(n))
             ops.append(Op(kind=kind, ranks=ranks, numel=3, dtype="float32", root=n - 1, peer=0, splits=splits))
     program = Program(world_size=world_size, ops=tuple(ops), seed=7)
-    want = GLOO.run(execute, world_size, args=(program,), timeout=60)
-    got = THREADED.run(execute, world_size, args=(program,), timeout=60)
+    want = GLOO.run(RunRequest(execute, world_size, args=(program,), timeout=60))
+    got = THREADED.run(RunRequest(execute, world_size, args=(program,), timeout=60))
     for rank in range(world_size):
         for step, (g, w) in enumerate(zip(got[rank], want[rank])):
             assert (g is None) == (w is None)

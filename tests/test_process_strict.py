@@ -30,6 +30,7 @@ from dstest.errors import (
 )
 from dstest.worlds import process
 from dstest.worlds.process import ProcessWorld, pool_pids
+from dstest.worlds.request import RunRequest
 
 pytestmark = pytest.mark.cpu
 
@@ -45,7 +46,7 @@ def _warm_pools():
 def _fails(fn, *, args=()) -> RankFailure:
     """Run ``fn`` on 2 ranks and return the RankFailure it must end with (not a timeout, not a death)."""
     try:
-        PROCESS.run(fn, 2, args=args, timeout=TIMEOUT)
+        PROCESS.run(RunRequest(fn, 2, args=args, timeout=TIMEOUT))
     except RankFailure as exc:
         assert "past its timeout" not in str(exc)
         return exc
@@ -66,7 +67,7 @@ def _sum(ctx):
 
 
 def _next_run_passes() -> None:
-    assert PROCESS.run(_sum, 2, timeout=TIMEOUT) == [[3.0] * 3, [3.0] * 3]
+    assert PROCESS.run(RunRequest(_sum, 2, timeout=TIMEOUT)) == [[3.0] * 3, [3.0] * 3]
 
 
 # -- a correct program still runs, through every checked entry point ----------------------------------
@@ -122,7 +123,7 @@ def _every_call(ctx):
 
 
 def test_correct_programs_run_checked_on_gloo():
-    r0, r1 = PROCESS.run(_every_call, 2, timeout=TIMEOUT)
+    r0, r1 = PROCESS.run(RunRequest(_every_call, 2, timeout=TIMEOUT))
     assert r0["sum"] == r1["sum"] == [3.0, 3.0]
     assert r0["bcast"] == r1["bcast"] == [1.0, 1.0]
     assert r0["reduce"] == 2.0
@@ -404,14 +405,14 @@ def _gone(pid: int) -> bool:
 def test_world_larger_than_the_cap_runs_cold(monkeypatch):
     monkeypatch.setenv(process.MAX_WARM_WORKERS_ENV, "1")
     warm = pool_pids()
-    pids = PROCESS.run(_pid, 2, timeout=TIMEOUT)
+    pids = PROCESS.run(RunRequest(_pid, 2, timeout=TIMEOUT))
     assert len(set(pids)) == 2 and not set(pids) & {p for ps in warm.values() for p in ps}
     assert all(_gone(p) for p in pids)  # stopped after the run
     assert set(pool_pids()) == set(warm)  # nothing new kept, nothing evicted (a pool may still be starting)
 
 
 def test_starting_a_pool_evicts_the_least_recently_used_beyond_the_cap(monkeypatch):
-    PROCESS.run(_sum, 2, timeout=TIMEOUT)
+    PROCESS.run(RunRequest(_sum, 2, timeout=TIMEOUT))
     two = _pids()
     assert two
     monkeypatch.setattr(process, "max_warm_workers", 2)
@@ -419,7 +420,7 @@ def test_starting_a_pool_evicts_the_least_recently_used_beyond_the_cap(monkeypat
         stale = process._POOLS.pop(process._PoolKey("gloo", "cpu", 1), None)
     if stale is not None:
         stale.stop()
-    assert PROCESS.run(_pid, 1, timeout=TIMEOUT)
+    assert PROCESS.run(RunRequest(_pid, 1, timeout=TIMEOUT))
     assert ("gloo", 2) not in pool_pids() and ("gloo", 1) in pool_pids()  # 2 + 1 > 2: the older one went
     assert all(_gone(p) for p in two)
 
@@ -442,7 +443,7 @@ def _ddp(ctx):
 
 
 def test_ddp_runs_on_checked_groups():
-    (grads0, checked0), (grads1, checked1) = PROCESS.run(_ddp, 2, timeout=TIMEOUT)
+    (grads0, checked0), (grads1, checked1) = PROCESS.run(RunRequest(_ddp, 2, timeout=TIMEOUT))
     assert grads0 == grads1  # averaged across ranks by DDP's all_reduce
     assert checked0 >= 3 and checked1 >= 3  # its broadcast, all_gather and all_reduce all went through the check
 

@@ -20,6 +20,7 @@ from dstest.errors import InvalidArgument, RankFailure, WorkerDied, WorldAborted
 from dstest.specification import Case, Settings, run_spec, spec_info
 from dstest.worlds import process
 from dstest.worlds.process import ProcessWorld, pool_pids
+from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld
 
 pytestmark = pytest.mark.cpu
@@ -117,9 +118,9 @@ def _draw_and_reduce(ctx, offset):
 
 def test_results_and_seeds_match_the_threaded_world():
     for ws in (1, 4):
-        want = ThreadedWorld().run(_draw_and_reduce, ws, args=(0.5,), seed=7)
-        assert PROCESS.run(_draw_and_reduce, ws, args=(0.5,), seed=7) == want
-        assert PROCESS.run(_draw_and_reduce, ws, args=(0.5,), seed=7) == want  # run after run (E5)
+        want = ThreadedWorld().run(RunRequest(_draw_and_reduce, ws, args=(0.5,), seed=7))
+        assert PROCESS.run(RunRequest(_draw_and_reduce, ws, args=(0.5,), seed=7)) == want
+        assert PROCESS.run(RunRequest(_draw_and_reduce, ws, args=(0.5,), seed=7)) == want  # run after run (E5)
 
 
 def _global_rng(ctx):
@@ -127,9 +128,9 @@ def _global_rng(ctx):
 
 
 def test_global_rng_is_seeded_per_rank_and_run():
-    first = PROCESS.run(_global_rng, 2, seed=3)
-    assert first == PROCESS.run(_global_rng, 2, seed=3)
-    assert first[0] != first[1] and first != PROCESS.run(_global_rng, 2, seed=4)
+    first = PROCESS.run(RunRequest(_global_rng, 2, seed=3))
+    assert first == PROCESS.run(RunRequest(_global_rng, 2, seed=3))
+    assert first[0] != first[1] and first != PROCESS.run(RunRequest(_global_rng, 2, seed=4))
 
 
 def _compare(ctx, got):
@@ -138,7 +139,7 @@ def _compare(ctx, got):
 
 def test_failed_assert_shows_values_like_pytest():
     with pytest.raises(RankFailure) as info:
-        PROCESS.run(_compare, 1, args=(2,))
+        PROCESS.run(RunRequest(_compare, 1, args=(2,)))
     assert "assert 2 == 3" in str(info.value)
 
 
@@ -147,7 +148,7 @@ def _chatty(ctx):
 
 
 def test_rank_output_reaches_the_test_capture(capsys):
-    PROCESS.run(_chatty, 2)
+    PROCESS.run(RunRequest(_chatty, 2))
     out = capsys.readouterr().out
     assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
 
@@ -157,9 +158,9 @@ def test_functions_must_be_reachable_by_name():
         return 1
 
     with pytest.raises(InvalidArgument, match="module level"):
-        PROCESS.run(local, 1)
+        PROCESS.run(RunRequest(local, 1))
     with pytest.raises(InvalidArgument, match="module level"):
-        PROCESS.run(lambda ctx: 1, 1)
+        PROCESS.run(RunRequest(lambda ctx: 1, 1))
 
 
 def _unpicklable(ctx):
@@ -168,7 +169,7 @@ def _unpicklable(ctx):
 
 def test_unpicklable_result_is_a_rank_failure():
     with pytest.raises(RankFailure, match="cannot be pickled"):
-        PROCESS.run(_unpicklable, 1)
+        PROCESS.run(RunRequest(_unpicklable, 1))
 
 
 @dstest.spec(world_size=[2], worlds=["process"])
@@ -213,7 +214,7 @@ def _workers_below_me() -> set[int]:
 def _assert_replaced(old: list[int]) -> None:
     for pid in old:
         assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} of the failed pool survived"
-    assert PROCESS.run(_draw_and_reduce, 2, args=(0.0,)) == ThreadedWorld().run(_draw_and_reduce, 2, args=(0.0,))
+    assert PROCESS.run(RunRequest(_draw_and_reduce, 2, args=(0.0,))) == ThreadedWorld().run(RunRequest(_draw_and_reduce, 2, args=(0.0,)))
     assert set(pool_pids()[("gloo", 2)]).isdisjoint(old)
     live = {pid for pids in pool_pids().values() for pid in pids}
     assert _workers_below_me() <= live, "a worker process outside the live pools survived"
@@ -234,7 +235,7 @@ def _killed_mid_spec(ctx):
 def test_killed_worker_is_reported_and_replaced():
     old = _old_pids()
     with pytest.raises(WorkerDied, match=r"rank 1 \(pid \d+\) was killed by SIGKILL while running _killed_mid_spec"):
-        PROCESS.run(_killed_mid_spec, 2, timeout=30)
+        PROCESS.run(RunRequest(_killed_mid_spec, 2, timeout=30))
     _assert_replaced(old)
 
 
@@ -250,7 +251,7 @@ def test_hung_worker_times_out_with_every_stack():
     old = _old_pids()
     start = time.monotonic()
     with pytest.raises(WorldTimeout) as info:
-        PROCESS.run(_hangs_on_rank_zero, 2, timeout=3)
+        PROCESS.run(RunRequest(_hangs_on_rank_zero, 2, timeout=3))
     assert time.monotonic() - start < 10
     msg = str(info.value)
     assert "ranks still running: [0, 1]" in msg and "rank 0 going to sleep" in msg
@@ -270,7 +271,7 @@ def test_rank_failure_short_circuits_blocked_ranks():
     old = _old_pids()
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:
-        PROCESS.run(_raises_on_rank_one, 2, timeout=60)
+        PROCESS.run(RunRequest(_raises_on_rank_one, 2, timeout=60))
     assert time.monotonic() - start < process.FAILURE_GRACE + 5  # not the 60 s timeout, not gloo's
     msg = str(info.value)
     assert "rank 1: ValueError: rank one refuses" in msg and "---- rank 1 ----" in msg
@@ -288,9 +289,9 @@ def _fails_after_collectives(ctx):
 def test_failure_after_collectives_keeps_the_pool():
     old = _old_pids()
     with pytest.raises(RankFailure, match="rank 1 objects"):
-        PROCESS.run(_fails_after_collectives, 2)
+        PROCESS.run(RunRequest(_fails_after_collectives, 2))
     assert pool_pids()[("gloo", 2)] == old
-    assert PROCESS.run(_draw_and_reduce, 2, args=(1.0,)) == ThreadedWorld().run(_draw_and_reduce, 2, args=(1.0,))
+    assert PROCESS.run(RunRequest(_draw_and_reduce, 2, args=(1.0,))) == ThreadedWorld().run(RunRequest(_draw_and_reduce, 2, args=(1.0,)))
 
 
 def _destroys_the_world_group(ctx):
@@ -300,7 +301,7 @@ def _destroys_the_world_group(ctx):
 
 def test_spec_that_destroys_the_world_group_gets_a_fresh_pool():
     old = _old_pids()
-    assert PROCESS.run(_destroys_the_world_group, 2) == [0, 1]
+    assert PROCESS.run(RunRequest(_destroys_the_world_group, 2)) == [0, 1]
     _assert_replaced(old)
 
 
@@ -411,5 +412,5 @@ def test_a_run_that_imports_has_its_garbage_collected_and_its_modules_frozen(wor
     # what the worker holds for good; the run's own cyclic garbage is collected first, not frozen with it.
     module = f"dstest_heap_probe_{uuid.uuid4().hex}"
     (tmp_path / f"{module}.py").write_text("VALUES = list(range(10))\n")
-    PROCESS.run(_import_and_drop_a_cycle, world_size, args=(str(tmp_path), module))
-    assert PROCESS.run(_after_the_run, world_size) == [(True, True)] * world_size
+    PROCESS.run(RunRequest(_import_and_drop_a_cycle, world_size, args=(str(tmp_path), module)))
+    assert PROCESS.run(RunRequest(_after_the_run, world_size)) == [(True, True)] * world_size

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from dstest import strategies as dst
 from dstest.programs import execute
+from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld
 
 WORLD = ThreadedWorld()
@@ -23,7 +24,7 @@ def test_soak_random_programs(data, world_size):
     from dstest.programs import reference
 
     program = data.draw(dst.programs(world_size, max_ops=12))
-    got = WORLD.run(execute, world_size, args=(program,), timeout=30)
+    got = WORLD.run(RunRequest(execute, world_size, args=(program,), timeout=30))
     want = reference(program)
     for g_rank, w_rank in zip(got, want):
         for g, w in zip(g_rank, w_rank):

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from dstest.worlds import _collectives as C
+from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld
 
 pytestmark = pytest.mark.cpu
@@ -35,7 +36,7 @@ def test_all_reduce_equals_the_rank_order_reference(n: int, op: str, dtype: torc
         return t
 
     want = C.reduce_tensors(op.lower(), [_data(r, n, dtype) for r in range(W)])
-    for got in WORLD.run(body, W):
+    for got in WORLD.run(RunRequest(body, W)):
         assert got.dtype == dtype and torch.equal(got, want.to(dtype))
 
 
@@ -46,7 +47,7 @@ def test_one_tensor_shared_by_every_rank_reduces_as_w_processes_would(n: int) ->
     def body(ctx: Any, t: torch.Tensor) -> None:
         dist.all_reduce(t)
 
-    WORLD.run(body, W, args=(shared,))
+    WORLD.run(RunRequest(body, W, args=(shared,)))
     assert torch.equal(shared, torch.full((n,), float(W)))
 
 
@@ -58,7 +59,7 @@ def test_the_aliasing_check_is_what_keeps_a_shared_tensor_right(monkeypatch: pyt
     def body(ctx: Any, t: torch.Tensor) -> None:
         dist.all_reduce(t)
 
-    WORLD.run(body, W, args=(shared,))
+    WORLD.run(RunRequest(body, W, args=(shared,)))
     assert not torch.equal(shared, torch.full((LARGE,), float(W)))
 
 
@@ -76,7 +77,7 @@ def test_all_gather_into_tensor_with_inputs_inside_their_own_outputs(n: int, in_
         return out
 
     want = torch.cat([_data(r, n) for r in range(W)])
-    for got in WORLD.run(body, W):
+    for got in WORLD.run(RunRequest(body, W)):
         assert torch.equal(got, want)
 
 
@@ -87,7 +88,7 @@ def test_all_gather_into_one_output_shared_by_every_rank() -> None:
     def body(ctx: Any, out: torch.Tensor) -> None:
         dist.all_gather_into_tensor(out, _data(ctx.rank, n))
 
-    WORLD.run(body, W, args=(shared,))
+    WORLD.run(RunRequest(body, W, args=(shared,)))
     assert torch.equal(shared, torch.cat([_data(r, n) for r in range(W)]))
 
 
@@ -101,7 +102,7 @@ def test_reduce_scatter_tensor_with_outputs_inside_inputs(n: int, out_in_input: 
         return out.clone()
 
     total = C.reduce_tensors("sum", [_data(r, n * W) for r in range(W)])
-    for rank, got in enumerate(WORLD.run(body, W)):
+    for rank, got in enumerate(WORLD.run(RunRequest(body, W))):
         assert torch.equal(got, total[rank * n : (rank + 1) * n])
 
 
@@ -116,7 +117,7 @@ def test_broadcast_from_the_root_tensor_in_place(shared: bool) -> None:
         dist.broadcast(t, 1)
         return t.clone()
 
-    for got in WORLD.run(body, W):
+    for got in WORLD.run(RunRequest(body, W)):
         assert torch.equal(got, _data(1, LARGE))
 
 
@@ -127,5 +128,5 @@ def test_large_collectives_into_requires_grad_tensors_stay_out_of_autograd() -> 
         dist.all_reduce(p)  # the Parameter itself, as gloo accepts it: no graph is recorded
         return p.requires_grad and p.grad_fn is None, p.grad_fn
 
-    for ok, grad_fn in WORLD.run(body, W):
+    for ok, grad_fn in WORLD.run(RunRequest(body, W)):
         assert ok and grad_fn is None

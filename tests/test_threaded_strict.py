@@ -22,6 +22,7 @@ import dstest
 from dstest.context import current_context
 from dstest.errors import InvalidArgument, RankFailure, WorldTimeout
 from dstest.worlds import threaded as threaded_world
+from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld
 
 pytestmark = pytest.mark.cpu
@@ -31,7 +32,7 @@ TIMEOUT = 30.0  # generous: every failure below must end the world long before t
 def _failure(fn, world_size=2, world=None, **kw) -> RankFailure:
     world = world or ThreadedWorld(warm=True)
     with pytest.raises(RankFailure) as info:
-        world.run(fn, world_size, timeout=TIMEOUT, **kw)
+        world.run(RunRequest(fn, world_size, timeout=TIMEOUT, **kw))
     assert not isinstance(info.value, WorldTimeout)
     assert "ran past its timeout" not in str(info.value)
     return info.value
@@ -48,7 +49,7 @@ def _names_and_destroy(ctx):
 
 
 def test_groups_have_names_and_a_subgroup_can_be_destroyed_alone():
-    got = ThreadedWorld(warm=True).run(_names_and_destroy, 2, timeout=TIMEOUT)
+    got = ThreadedWorld(warm=True).run(RunRequest(_names_and_destroy, 2, timeout=TIMEOUT))
     assert got[0] == got[1] and got[0][0] and got[0][1:] == ("dp", 2.0, 2)
 
 
@@ -193,7 +194,7 @@ def _shared_group_cache(ctx):
 
 def test_a_group_object_shared_by_all_ranks_acts_for_the_calling_rank():
     _SHARED.clear()
-    got = ThreadedWorld(warm=True).run(_shared_group_cache, 3, timeout=TIMEOUT)
+    got = ThreadedWorld(warm=True).run(RunRequest(_shared_group_cache, 3, timeout=TIMEOUT))
     assert got == [([6.0, 6.0], 1.0, r, 3) for r in range(3)]
 
 
@@ -211,21 +212,21 @@ def test_a_group_of_another_rank_raises_naming_both_ranks_and_the_next_run_is_un
     err = _failure(_foreign_subgroup)
     assert isinstance(err.exceptions[1], InvalidArgument)
     assert "belongs to rank 0 but was used by rank 1" in str(err)
-    assert ThreadedWorld(warm=True).run(lambda ctx: dist.get_world_size(), 2) == [2, 2]
+    assert ThreadedWorld(warm=True).run(RunRequest(lambda ctx: dist.get_world_size(), 2)) == [2, 2]
 
 
 # -- E4, E6 (issue 9.6): every world start restores the switches it needs ---------------------------------------
 def test_worlds_work_after_torchs_own_threaded_helpers_switched_isolation_off():
     warm = ThreadedWorld(warm=True)
-    assert warm.run(lambda ctx: dist.get_world_size(), 2) == [2, 2]  # a crew is alive and installed
+    assert warm.run(RunRequest(lambda ctx: dist.get_world_size(), 2)) == [2, 2]  # a crew is alive and installed
     torch._C._distributed_c10d._set_thread_isolation_mode(False)  # what MultiThreadedTestCase leaves
 
     def subgroups(ctx):
         return dist.get_world_size(dist.new_group([0, 1]))
 
-    assert warm.run(subgroups, 2) == [2, 2]
-    assert warm.run(subgroups, 3) == [2, 2, -1]  # a new crew registers its default group "0" per thread
-    assert ThreadedWorld().run(subgroups, 2) == [2, 2]
+    assert warm.run(RunRequest(subgroups, 2)) == [2, 2]
+    assert warm.run(RunRequest(subgroups, 3)) == [2, 2, -1]  # a new crew registers its default group "0" per thread
+    assert ThreadedWorld().run(RunRequest(subgroups, 2)) == [2, 2]
 
 
 # -- E5 (issue 9.7): a shared seed gives every rank the same weights ---------------------------------------
@@ -240,15 +241,15 @@ def test_manual_seed_then_module_construction_gives_every_rank_the_reference_wei
     want = torch.cat([p.detach().flatten() for p in torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)).parameters()])
     world = ThreadedWorld(warm=True)
     for _ in range(15):
-        for got in world.run(_seeded_model, 4, timeout=TIMEOUT):
+        for got in world.run(RunRequest(_seeded_model, 4, timeout=TIMEOUT)):
             assert torch.equal(got, want)
 
 
 def test_manual_seed_in_the_fake_world_while_a_warm_crew_holds_the_hooks():
     from dstest.worlds.fake import FakeWorld
 
-    ThreadedWorld(warm=True).run(lambda ctx: None, 2)  # a crew is alive: the seed hook is installed
-    got = FakeWorld().run(lambda ctx: (torch.manual_seed(3), torch.rand(1).item())[1], 4)
+    ThreadedWorld(warm=True).run(RunRequest(lambda ctx: None, 2))  # a crew is alive: the seed hook is installed
+    got = FakeWorld().run(RunRequest(lambda ctx: (torch.manual_seed(3), torch.rand(1).item())[1], 4))
     torch.manual_seed(3)
     assert got == [torch.rand(1).item()] * 2
 
@@ -260,7 +261,7 @@ def test_an_async_all_reduce_never_waited_fails_naming_the_rank_and_the_call():
 
     err = _failure(body)
     assert "never waited" in str(err) and "all_reduce(float32[2]@cpu, op=sum)" in str(err)
-    assert ThreadedWorld(warm=True).run(lambda ctx: 1, 2) == [1, 1]
+    assert ThreadedWorld(warm=True).run(RunRequest(lambda ctx: 1, 2)) == [1, 1]
 
 
 def test_an_unwaited_collective_still_writes_the_callers_tensor_as_gloo_does():
@@ -292,7 +293,7 @@ def test_an_unmatched_isend_fails_and_does_not_leak_into_the_next_run():
             dist.recv(t, src=0)
         return t.item()
 
-    assert ThreadedWorld(warm=True).run(matched, 2) == [0.0, 0.0]
+    assert ThreadedWorld(warm=True).run(RunRequest(matched, 2)) == [0.0, 0.0]
 
 
 def test_a_mismatch_caught_by_the_code_under_test_still_fails_and_says_where():
@@ -328,7 +329,7 @@ def test_a_rank_stuck_in_c_code_is_named_never_reused_and_counted():
     assert "threads that could not be stopped" in str(err)
     stuck = threaded_world.stuck_threads()
     assert any(name.endswith("-rank1") for name in stuck)
-    names = ThreadedWorld(warm=True).run(lambda ctx: threading.current_thread().name, 2)
+    names = ThreadedWorld(warm=True).run(RunRequest(lambda ctx: threading.current_thread().name, 2))
     assert not set(names) & set(stuck)
 
 
@@ -352,9 +353,9 @@ def test_warm_crews_are_capped_and_larger_worlds_run_cold(monkeypatch):
     monkeypatch.setenv("DSTEST_WARM_THREADS", "6")
     warm = ThreadedWorld(warm=True)
     for ws in (2, 3, 4, 2):
-        assert warm.run(lambda ctx: ctx.rank, ws) == list(range(ws))
+        assert warm.run(RunRequest(lambda ctx: ctx.rank, ws)) == list(range(ws))
         assert threaded_world.kept_warm_threads() <= 6
-    assert warm.run(lambda ctx: ctx.rank, 8) == list(range(8))  # over the cap: cold
+    assert warm.run(RunRequest(lambda ctx: ctx.rank, 8)) == list(range(8))  # over the cap: cold
     assert threaded_world.kept_warm_threads() <= 6
     threaded_world.shutdown_all()
     assert threaded_world.kept_warm_threads() == 0
@@ -363,12 +364,13 @@ def test_warm_crews_are_capped_and_larger_worlds_run_cold(monkeypatch):
 def test_bad_warm_thread_cap_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("DSTEST_WARM_THREADS", "lots")
     with pytest.raises(InvalidArgument, match="DSTEST_WARM_THREADS='lots'"):
-        ThreadedWorld(warm=True).run(lambda ctx: None, 2)
+        ThreadedWorld(warm=True).run(RunRequest(lambda ctx: None, 2))
 
 
 _CTRL_C_SCRIPT = textwrap.dedent(
     """
     import faulthandler, signal, sys, time, torch, torch.distributed as dist
+    from dstest.worlds.request import RunRequest
     from dstest.worlds.threaded import ThreadedWorld
 
     # As at a terminal: a shell's background job (CI run with `&`) inherits SIGINT ignored.
@@ -386,7 +388,7 @@ _CTRL_C_SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         print("started", flush=True)
-        ThreadedWorld(warm={warm}).run(body, 3, timeout=120)
+        ThreadedWorld(warm={warm}).run(RunRequest(body, 3, timeout=120))
     """
 )
 

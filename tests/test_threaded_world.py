@@ -16,6 +16,7 @@ import dstest
 from dstest import strategies as dst
 from dstest.errors import CollectiveMismatch, InvalidArgument, RankFailure, WorldTimeout
 from dstest.programs import KINDS, execute, reference
+from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld
 
 pytestmark = pytest.mark.cpu
@@ -44,7 +45,7 @@ def _assert_same(got: list, want: list) -> None:
 def test_e1_random_programs_match_reference(world_size, data):
     """E1: hypothesis draws collective programs on random subgroups; every rank ends with the reference."""
     program = data.draw(dst.programs(world_size, kinds=KINDS))
-    got = WORLD.run(execute, world_size, args=(program,), timeout=20)
+    got = WORLD.run(RunRequest(execute, world_size, args=(program,), timeout=20))
     _assert_same(got, reference(program))
 
 
@@ -61,7 +62,7 @@ def test_e1_non_member_call_is_a_no_op():
             dist.all_reduce(t, group=g)
         return t.tolist()
 
-    assert WORLD.run(body, 3) == [[1.0, 1.0], [2.0, 2.0], [2.0, 2.0]]
+    assert WORLD.run(RunRequest(body, 3)) == [[1.0, 1.0], [2.0, 2.0], [2.0, 2.0]]
 
 
 def test_e1_async_handles_and_futures():
@@ -75,7 +76,7 @@ def test_e1_async_handles_and_futures():
         value = fut.wait()
         return a.tolist(), value[0].tolist(), work.is_completed()
 
-    got = WORLD.run(body, 3)
+    got = WORLD.run(RunRequest(body, 3))
     assert all(r == ([3.0, 3.0], [3.0, 3.0], True) for r in got)
 
 
@@ -83,7 +84,7 @@ def test_e1_async_handles_and_futures():
 def _mismatch(body, world_size=2):
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:
-        WORLD.run(body, world_size, timeout=30)
+        WORLD.run(RunRequest(body, world_size, timeout=30))
     # A hang would end in WorldTimeout after 30 s; a mismatch is a CollectiveMismatch on every rank.
     assert not isinstance(info.value, WorldTimeout)
     assert time.monotonic() - start < 30
@@ -189,7 +190,7 @@ def test_e3_failing_rank_aborts_the_others():
         dist.all_reduce(torch.ones(1))  # the others would wait forever
 
     with pytest.raises(RankFailure) as info:
-        WORLD.run(body, 3, timeout=30)
+        WORLD.run(RunRequest(body, 3, timeout=30))
     text = str(info.value)
     assert "rank 1: ValueError: rank one is broken" in text
     assert "---- rank 1 ----" in text and "raise ValueError" in text
@@ -204,7 +205,7 @@ def test_e3_timeout_reports_every_rank_stack():
         dist.barrier()
 
     with pytest.raises(WorldTimeout) as info:
-        WORLD.run(body, 2, timeout=1.0)
+        WORLD.run(RunRequest(body, 2, timeout=1.0))
     err = info.value
     assert set(err.stacks) == {0, 1}
     assert "time.sleep(0.01)" in err.stacks[0]
@@ -224,10 +225,10 @@ def test_e4_no_thread_or_group_survives(outcome):
         dist.all_reduce(torch.ones(1 + (ctx.rank if outcome == "mismatch" else 0)))
 
     if outcome == "success":
-        WORLD.run(body, 3)
+        WORLD.run(RunRequest(body, 3))
     else:
         with pytest.raises(RankFailure):
-            WORLD.run(body, 3)
+            WORLD.run(RunRequest(body, 3))
     assert _rank_threads() == []
     assert c10d._world is original_world
     assert not dist.is_initialized()
@@ -238,11 +239,11 @@ def test_e5_each_rank_has_its_own_deterministic_rng():
     def body(ctx):
         return ctx.randn(4)
 
-    first, second = WORLD.run(body, 3), WORLD.run(body, 3)
+    first, second = WORLD.run(RunRequest(body, 3)), WORLD.run(RunRequest(body, 3))
     for a, b in zip(first, second):
         assert torch.equal(a, b)
     assert not torch.equal(first[0], first[1])
-    other_seed = WORLD.run(body, 3, seed=1)
+    other_seed = WORLD.run(RunRequest(body, 3, seed=1))
     assert not torch.equal(first[0], other_seed[0])
 
 
@@ -255,7 +256,7 @@ def test_64_ranks_all_reduce_and_all_gather():
         dist.all_gather_into_tensor(out, torch.tensor([float(ctx.rank)]))
         return t.item(), out
 
-    got = WORLD.run(body, 64, timeout=60)
+    got = WORLD.run(RunRequest(body, 64, timeout=60))
     assert got[5][0] == sum(range(64))
     assert torch.equal(got[63][1], torch.arange(64, dtype=torch.float32))
 
@@ -266,12 +267,12 @@ def test_fake_world_answers_for_65536_ranks():
         dist.all_gather_into_tensor(out, torch.ones(2))
         return dist.get_rank(), dist.get_world_size(), out.numel()
 
-    assert dstest.get_world("fake").run(body, 65536) == [(0, 65536, 131072), (65535, 65536, 131072)]
+    assert dstest.get_world("fake").run(RunRequest(body, 65536)) == [(0, 65536, 131072), (65535, 65536, 131072)]
 
 
 def test_bad_world_size_is_a_clear_error():
     with pytest.raises(dstest.InvalidWorldSize, match="world_size=0 must be an int >= 1"):
-        WORLD.run(lambda ctx: None, 0)
+        WORLD.run(RunRequest(lambda ctx: None, 0))
 
 
 # -- warm crews: kept between successful runs, retired by failures, stopped at the end -------------------
@@ -293,8 +294,8 @@ def test_warm_world_reuses_threads_and_resets_rank_state():
     def second(ctx):
         return threading.current_thread(), len(c10d_state().pg_map), torch.is_grad_enabled()
 
-    threads = warm.run(first, 3)
-    again = warm.run(second, 3)
+    threads = warm.run(RunRequest(first, 3))
+    again = warm.run(RunRequest(second, 3))
     assert all(a[0] is t for a, t in zip(again, threads))
     assert all(a[1:] == (1, True) for a in again)
 
@@ -303,7 +304,7 @@ def test_warm_world_retires_its_crew_on_failure_and_shutdown_stops_the_rest():
     from dstest.worlds.threaded import shutdown_all
 
     warm = ThreadedWorld(warm=True)
-    before = warm.run(lambda ctx: threading.current_thread(), 2)
+    before = warm.run(RunRequest(lambda ctx: threading.current_thread(), 2))
 
     def fails(ctx):
         if ctx.rank == 0:
@@ -311,8 +312,8 @@ def test_warm_world_retires_its_crew_on_failure_and_shutdown_stops_the_rest():
         dist.barrier()
 
     with pytest.raises(RankFailure):
-        warm.run(fails, 2)
-    after = warm.run(lambda ctx: threading.current_thread(), 2)
+        warm.run(RunRequest(fails, 2))
+    after = warm.run(RunRequest(lambda ctx: threading.current_thread(), 2))
     assert not any(a is b for a in after for b in before)
     assert not any(t.is_alive() for t in before)
 
@@ -321,9 +322,9 @@ def test_warm_world_retires_its_crew_on_failure_and_shutdown_stops_the_rest():
             dist.isend(torch.ones(1), dst=1)  # never received, never waited
 
     with pytest.raises(RankFailure, match=r"rank 0: (UnfinishedWork|CollectiveMismatch)(.|\n)*send\(float32\[1\]@cpu to rank 1"):
-        warm.run(unmatched_isend, 2)  # issue 10.1: orphan work fails the run that left it
+        warm.run(RunRequest(unmatched_isend, 2))  # issue 10.1: orphan work fails the run that left it
     assert not any(t.is_alive() for t in after)
-    assert warm.run(lambda ctx: dist.get_world_size(), 2) == [2, 2]  # and never leaks into the next
+    assert warm.run(RunRequest(lambda ctx: dist.get_world_size(), 2)) == [2, 2]  # and never leaks into the next
     shutdown_all()
     assert _warm_threads() == []
     assert c10d._world.__class__.__name__ == "_World"
@@ -336,6 +337,6 @@ def test_warm_world_survives_a_spec_that_destroys_the_default_group():
         dist.destroy_process_group()
         return threading.current_thread()
 
-    threads = warm.run(destroys, 2)
-    assert warm.run(lambda ctx: dist.get_world_size(), 2) == [2, 2]
+    threads = warm.run(RunRequest(destroys, 2))
+    assert warm.run(RunRequest(lambda ctx: dist.get_world_size(), 2)) == [2, 2]
     assert not any(t.is_alive() for t in threads)

@@ -21,6 +21,7 @@ import torch.nn as nn
 import dstest
 from dstest.errors import RankFailure
 from dstest.worlds import _compat
+from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld
 
 pytestmark = pytest.mark.cpu
@@ -110,7 +111,7 @@ def test_rank_failure_between_collectives_is_reported(failing):
         dist.all_gather(outs, x)
 
     with pytest.raises(RankFailure) as info:
-        ThreadedWorld().run(body, 4, timeout=30)
+        ThreadedWorld().run(RunRequest(body, 4, timeout=30))
     message = str(info.value)
     for rank in failing:
         assert f"deliberate failure on rank {rank}" in message

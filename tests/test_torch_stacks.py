@@ -20,6 +20,7 @@ import torch.nn as nn
 from packaging.version import Version
 
 import dstest
+from dstest.worlds.request import RunRequest
 
 pytestmark = [
     pytest.mark.cpu,
@@ -770,7 +771,7 @@ def test_world_group_kept_from_an_earlier_world_acts_for_the_current_world():
     from dstest.worlds.threaded import ThreadedWorld
 
     world = ThreadedWorld()
-    kept = world.run(lambda ctx: (dist.group.WORLD, dist.new_group([0, 1])), 2)
+    kept = world.run(RunRequest(lambda ctx: (dist.group.WORLD, dist.new_group([0, 1])), 2))
     kept_world, kept_sub = kept[1]
 
     def later(ctx):
@@ -782,7 +783,7 @@ def test_world_group_kept_from_an_earlier_world_acts_for_the_current_world():
             dist.all_reduce(t, group=kept_sub)
         return True
 
-    assert world.run(later, 3) == [True] * 3
+    assert world.run(RunRequest(later, 3)) == [True] * 3
 
 
 # -- the README's example, as written there ---------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Zero silent passes at the entry points (SPEC E9 for bodies that do not run, and SPEC's "clear error"; issue 10): every argument is checked, every body really runs.
 
 Covers ``dstest.run``, ``@dstest.spec``, the fixtures, every ``--dstest-*`` option, the ``dstest`` CLI and
-``check_run_arguments`` (called by every ``World.run``): timeouts must be finite positive numbers of
+``RunRequest`` (what every ``World.run`` takes): timeouts must be finite positive numbers of
 seconds (at most :data:`MAX_TIMEOUT_S`), world sizes ints >= 1, targets and worlds known; generator and
 ``async def`` bodies are refused; ``@dstest.spec`` works on test-class methods; a skip inside a spec is
 reported at the spec's own line.
@@ -21,8 +21,10 @@ import pytest
 
 import dstest
 from dstest.errors import InvalidArgument, InvalidSpec, InvalidWorldSize
+from dstest.registry import check_target, target_factory
 from dstest.specification import Settings
-from dstest.worlds.protocol import MAX_TIMEOUT_S, TARGET_NAMES, check_run_arguments, check_timeout
+from dstest.worlds.protocol import MAX_TIMEOUT_S, check_timeout
+from dstest.worlds.request import RunRequest
 
 pytestmark = pytest.mark.cpu
 
@@ -85,7 +87,7 @@ def test_bad_timeouts_are_refused_everywhere(value: Any) -> None:
     with pytest.raises(InvalidArgument, match=_timeout_error(value)):
         check_timeout(value)
     with pytest.raises(InvalidArgument, match=_timeout_error(value)):
-        check_run_arguments(2, value)
+        RunRequest(rank_body, 2, timeout=value)
     with pytest.raises(InvalidArgument, match=_timeout_error(value)):
         dstest.run(rank_body, 2, timeout=value)
     with pytest.raises(InvalidArgument, match=_timeout_error(value)):
@@ -93,9 +95,9 @@ def test_bad_timeouts_are_refused_everywhere(value: Any) -> None:
     if value is not None:  # spec(timeout=None) means "the --dstest-timeout"
         with pytest.raises(InvalidArgument, match=_timeout_error(value)):
             dstest.spec(timeout=value)
-    for world in ("threaded", "fake"):  # World.run itself, through check_run_arguments
+    for world in ("threaded", "fake"):  # World.run itself, through its RunRequest
         with pytest.raises(InvalidArgument, match=_timeout_error(value)):
-            dstest.get_world(world).run(rank_body, 2, timeout=value)
+            dstest.get_world(world).run(RunRequest(rank_body, 2, timeout=value))
 
 
 @pytest.mark.parametrize("value", GOOD_TIMEOUTS, ids=repr)
@@ -110,12 +112,12 @@ def test_good_timeouts_are_accepted(value: Any) -> None:
 def test_bad_world_sizes_are_refused_everywhere(value: Any) -> None:
     shown = re.escape(f"world_size={value!r}")
     with pytest.raises(InvalidWorldSize, match=rf"{shown} must be an int >= 1"):
-        check_run_arguments(value, 60)
+        RunRequest(rank_body, value)
     with pytest.raises(InvalidWorldSize, match=rf"{shown} must be an int >= 1"):
         dstest.run(rank_body, value)
     for world in ("threaded", "fake"):
         with pytest.raises(InvalidWorldSize, match=rf"{shown} must be an int >= 1"):
-            dstest.get_world(world).run(rank_body, value)
+            dstest.get_world(world).run(RunRequest(rank_body, value))
     if value is not None:
         with pytest.raises(InvalidWorldSize, match=rf"{shown}"):
             dstest.spec(world_size=value)
@@ -182,10 +184,14 @@ def test_settings_get_world_and_contract_are_checked() -> None:
 
 
 def test_known_target_names_match_the_targets_package() -> None:
-    """The plugin checks --dstest-target against a torch-free copy of the names; it must not drift."""
+    """The plugin checks --dstest-target against the torch-free registry; each name it accepts has an adapter."""
     import dstest.targets
 
-    assert TARGET_NAMES == dstest.targets.TARGET_NAMES
+    for name in dstest.targets.TARGET_NAMES:
+        assert check_target(name) == name
+        assert callable(target_factory(name))
+    with pytest.raises(InvalidArgument, match=r"target='nope': unknown target; allowed: impl, deepspeed"):
+        check_target("nope")
 
 
 # -- 1. pytest options and fixtures (pytester) --------------------------------------------------------
@@ -270,10 +276,12 @@ def test_fixtures_check_their_arguments(pytester: pytest.Pytester) -> None:
                 dstest_run(body, 2, wrld="fake")
 
         def test_world(dstest_world):
+            from dstest.worlds.request import RunRequest
+
             with pytest.raises(InvalidArgument, match="world='gloo' is unknown"):
                 dstest_world("gloo")
             with pytest.raises(InvalidArgument, match="timeout=inf"):
-                dstest_world("threaded").run(body, 2, timeout=math.inf)
+                dstest_world("threaded").run(RunRequest(body, 2, timeout=math.inf))
 
         def test_settings_are_checked(dstest_settings):
             assert dstest_settings.target == "deepspeed"
@@ -323,7 +331,7 @@ def test_run_refuses_generator_and_async_bodies(body: Callable[..., Any], world:
     with pytest.raises(InvalidSpec, match=rf"fn={body.__name__} is an? .*would not run its body"):
         dstest.run(body, 2, world=world)
     with pytest.raises(InvalidSpec, match=rf"fn={body.__name__} is an? "):
-        check_run_arguments(2, 60.0, body)
+        RunRequest(body, 2)
 
 
 @pytest.mark.parametrize("world", ["threaded", "fake"])
@@ -378,6 +386,7 @@ def test_generator_spec_is_a_collection_error(pytester: pytest.Pytester) -> None
 METHODS_FILE = """
 import pytest, torch, torch.distributed as dist
 import dstest
+from dstest.worlds.request import RunRequest
 
 @pytest.fixture
 def base():

@@ -320,8 +320,8 @@ def _run_warm(state: _State, test: Any, nodeid: str, procs: int) -> None:
     __tracebackhide__ = True
     from dstest.errors import RankFailure, WorkerDied, WorldTimeout
     from dstest.specification import SKIP_LOCATION_ATTR
-    from dstest.worlds import _trace
     from dstest.worlds.process import ProcessWorld
+    from dstest.worlds.request import RunRequest
 
     try:
         payload = pickle.dumps(test, protocol=pickle.HIGHEST_PROTOCOL)
@@ -345,10 +345,14 @@ def _run_warm(state: _State, test: Any, nodeid: str, procs: int) -> None:
     timeout = float(getattr(test, "exec_timeout", 600))
     state.warm_runs += 1
     try:
-        with _trace.run_options(strict_shapes=state.strict_shapes):
-            results = ProcessWorld().run(
-                _rank_main, procs, args=(payload, ref, list(sys.path), port, hide), timeout=timeout, seed=0
-            )
+        request = RunRequest(
+            _rank_main,
+            procs,
+            args=(payload, ref, list(sys.path), port, hide),
+            timeout=timeout,
+            strict_shapes=state.strict_shapes,
+        )
+        results = ProcessWorld().run(request)
     except (RankFailure, WorldTimeout, WorkerDied) as exc:
         setattr(exc, "_dstest_ds_report", _failure_text(nodeid, exc))  # noqa: B010 (read back by makereport)
         raise

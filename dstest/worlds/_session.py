@@ -211,9 +211,16 @@ class Session:
         self.abort_event = threading.Event()
         self.groups: dict[tuple[Any, int], Any] = {}  # (group key, global rank) -> that rank's group
         self.ranks = [_RankState() for _ in range(world_size)]
-        self.recorder = _trace.current_recorder(world_size)
-        self.hazards = bool(_trace.option("async_hazards", False))
-        self.strict_shapes = bool(_trace.option("strict_shapes", False))
+        self.recorder = _trace.Recorder(world_size, limit=_trace.RING_LIMIT)
+        self.hazards = False  # the run request's options (see configure)
+        self.strict_shapes = False
+
+    def configure(self, recorder: _trace.Recorder, *, hazards: bool, strict_shapes: bool) -> None:
+        """The run's recorder and options, from its :class:`~dstest.worlds.request.RunRequest` (before any rank starts)."""
+        with self.lock:
+            self.recorder = recorder
+            self.hazards = hazards
+            self.strict_shapes = strict_shapes
 
     def reset(self) -> None:
         """Start a new run on a warm session (called while no rank is inside a run)."""
@@ -223,9 +230,6 @@ class Session:
             self.aborted = None
             self.abort_event.clear()
             self.ranks = [_RankState() for _ in range(self.world_size)]
-            self.recorder = _trace.current_recorder(self.world_size)
-            self.hazards = bool(_trace.option("async_hazards", False))
-            self.strict_shapes = bool(_trace.option("strict_shapes", False))
 
     def leftovers(self) -> bool:
         """Whether a run left a collective or a transfer half done (then the session cannot be reused)."""

@@ -47,10 +47,8 @@ __all__ = [
     "Recorder",
     "Recording",
     "chrome_trace",
-    "current_recorder",
     "group_label",
     "recording",
-    "run_options",
     "world_run",
 ]
 
@@ -676,8 +674,6 @@ class Recording:
 class _Local(threading.local):
     def __init__(self) -> None:
         self.recordings: list[Recording] = []
-        self.options: list[dict[str, Any]] = []
-        self.runs: list[Recorder] = []
 
 
 _LOCAL = _Local()
@@ -703,36 +699,16 @@ def recording(full: bool = True) -> Iterator[Recording]:
 
 
 @contextlib.contextmanager
-def run_options(**options: Any) -> Iterator[None]:
-    """Options for the world runs made on this thread inside the block (``async_hazards=True``)."""
-    _LOCAL.options.append(options)
-    try:
-        yield
-    finally:
-        _LOCAL.options.pop()
-
-
-def option(name: str, default: Any = None) -> Any:
-    for opts in reversed(_LOCAL.options):
-        if name in opts:
-            return opts[name]
-    return default
-
-
-def current_recorder(world_size: int) -> Recorder:
-    """The recorder of the world run this thread is starting (:func:`world_run`), else a fresh one."""
-    if _LOCAL.runs and _LOCAL.runs[-1].world_size == world_size:
-        return _LOCAL.runs[-1]
-    return Recorder(world_size, limit=RING_LIMIT)
-
-
-@contextlib.contextmanager
-def world_run(world: str, world_size: int) -> Iterator[Recorder]:
-    """Around one ``World.run``: the run's recorder; a failure report gets the timeline of the last calls
-    of each rank, and the run goes to every :func:`recording` open on this thread."""
-    full = any(r.full for r in _LOCAL.recordings)
-    rec = Recorder(world_size, world, RECORD_LIMIT if full else RING_LIMIT)
-    _LOCAL.runs.append(rec)
+def world_run(world: str, world_size: int, recorder: Recorder | None = None) -> Iterator[Recorder]:
+    """Around one ``World.run``: the run's recorder (``recorder``, the run request's, else a new one); a
+    failure report gets the timeline of the last calls of each rank, and the run goes to every
+    :func:`recording` open on this thread."""
+    if recorder is None:
+        full = any(r.full for r in _LOCAL.recordings)
+        recorder = Recorder(world_size, world, RECORD_LIMIT if full else RING_LIMIT)
+    elif recorder.world == "?":
+        recorder.world = world
+    rec = recorder
     try:
         yield rec
     except Exception as exc:
@@ -740,7 +716,6 @@ def world_run(world: str, world_size: int) -> Iterator[Recorder]:
         raise
     finally:
         rec.t_end = _now()
-        _LOCAL.runs.remove(rec)
         for r in _LOCAL.recordings:
             r.runs.append(rec)
 

@@ -9,7 +9,7 @@ exactly as in the threaded world.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -22,7 +22,7 @@ from dstest.worlds import _compat, _trace
 from dstest.worlds._backend import rank_process_group, register_backend
 from dstest.worlds._reports import format_exception
 from dstest.worlds._session import Done
-from dstest.worlds.protocol import check_run_arguments
+from dstest.worlds.request import RunRequest
 
 __all__ = ["FakeWorld"]
 
@@ -84,36 +84,18 @@ class FakeWorld:
     def unavailable_reason(self, world_size: int) -> str | None:
         return None
 
-    def run(
-        self,
-        fn: Callable[..., Any],
-        world_size: int,
-        *,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float = 60.0,
-        seed: int = 0,
-    ) -> list[Any]:
-        check_run_arguments(world_size, timeout, fn, args=args, kwargs=kwargs, seed=seed)
+    def run(self, request: RunRequest) -> list[Any]:
+        world_size = request.world_size
         ranks = self.ranks if self.ranks is not None else tuple(sorted({0, world_size - 1}))
         bad = [r for r in ranks if not 0 <= r < world_size]
         if bad:
             raise InvalidArgument(f"ranks={list(ranks)}: {bad} not in 0..{world_size - 1}")
         register_backend()
-        with _trace.world_run(self.name, world_size) as recorder:
-            return self._run(fn, world_size, ranks, args, kwargs or {}, timeout, seed, recorder)
+        with _trace.world_run(self.name, world_size, request.recorder) as recorder:
+            return self._run(request, ranks, recorder)
 
-    def _run(
-        self,
-        fn: Callable[..., Any],
-        world_size: int,
-        ranks: Sequence[int],
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        timeout: float,
-        seed: int,
-        recorder: _trace.Recorder,
-    ) -> list[Any]:
+    def _run(self, request: RunRequest, ranks: Sequence[int], recorder: _trace.Recorder) -> list[Any]:
+        world_size, timeout, seed = request.world_size, request.timeout, request.seed
         results: list[Any] = []
         with _compat.thread_local_c10d_world() as c10d_world:
             for rank in ranks:
@@ -128,7 +110,7 @@ class FakeWorld:
                         with rank_process_group(c10d_world, session, rank, device, timedelta(seconds=timeout)):
                             token = ctx.bind()
                             try:
-                                box["result"] = fn(ctx, *args, **kwargs)
+                                box["result"] = request.rank_call(ctx)
                             finally:
                                 RankContext.unbind(token)
                     except BaseException as exc:

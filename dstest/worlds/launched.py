@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dstest.errors import DstestError, InvalidArgument, InvalidWorldSize, RankFailure, WorldAborted, WorldTimeout
-from dstest.worlds.protocol import check_run_arguments
+from dstest.worlds.request import RunRequest
 
 __all__ = [
     "BACKEND_ENV",
@@ -295,17 +295,8 @@ class LaunchedWorld:
             return f"needs {world_size} launched ranks, the launcher started {env.world_size}"
         return None
 
-    def run(
-        self,
-        fn: Callable[..., Any],
-        world_size: int,
-        *,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float = 60.0,
-        seed: int = 0,
-    ) -> list[Any]:
-        check_run_arguments(world_size, timeout, fn, args=args, kwargs=kwargs, seed=seed)
+    def run(self, request: RunRequest) -> list[Any]:
+        world_size, timeout = request.world_size, request.timeout
         launch = connect()
         if world_size > launch.world_size:
             raise InvalidWorldSize(
@@ -321,7 +312,7 @@ class LaunchedWorld:
         label = f"launched world of {world_size} of {launch.world_size} ranks ({launch.backend})"
         __tracebackhide__ = True
         if launch.rank < world_size:
-            _Run(launch, key, fn, world_size, args, dict(kwargs or {}), timeout, seed).execute()
+            _Run(launch, key, request).execute()
         return _combine(launch, key, world_size, timeout, label)
 
 
@@ -352,15 +343,10 @@ class _Run:
         self,
         launch: Launch,
         key: str,
-        fn: Callable[..., Any],
-        world_size: int,
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        timeout: float,
-        seed: int,
+        request: RunRequest,
     ) -> None:
-        self.launch, self.key, self.fn, self.world_size = launch, key, fn, world_size
-        self.args, self.kwargs, self.timeout, self.seed = args, kwargs, timeout, seed
+        self.launch, self.key, self.request = launch, key, request
+        self.world_size, self.timeout, self.seed = request.world_size, request.timeout, request.seed
         self.done = threading.Event()
         self.value: Any = None
         self.error: BaseException | None = None
@@ -422,7 +408,7 @@ class _Run:
             random.seed(rank_seed(self.seed, rank))
             token = ctx.bind()
             try:
-                self.value = self.fn(ctx, *self.args, **self.kwargs)
+                self.value = self.request.rank_call(ctx)
             finally:
                 RankContext.unbind(token)
         except BaseException as exc:  # every outcome is reported to the peers

@@ -10,10 +10,9 @@ reason.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from dstest.worlds.protocol import check_run_arguments
+from dstest.worlds.request import RunRequest
 
 if TYPE_CHECKING:
     from dstest.worlds.process import ProcessWorld
@@ -50,17 +49,8 @@ class NcclWorld:
             return self._processes().unavailable_reason(world_size)
         return None  # the threaded stand-in runs it
 
-    def run(
-        self,
-        fn: Callable[..., Any],
-        world_size: int,
-        *,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float = 60.0,
-        seed: int = 0,
-    ) -> list[Any]:
-        check_run_arguments(world_size, timeout, fn, args=args, kwargs=kwargs, seed=seed)
+    def run(self, request: RunRequest) -> list[Any]:
+        world_size = request.world_size
         found = _cuda_devices()
         if found == 0:
             from dstest.errors import InvalidWorldSize
@@ -71,5 +61,5 @@ class NcclWorld:
         if found < world_size:
             from dstest.worlds.threaded import ThreadedWorld
 
-            return ThreadedWorld(device="cuda").run(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed)
-        return self._processes().run(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed)
+            return ThreadedWorld(device="cuda").run(request)
+        return self._processes().run(request)

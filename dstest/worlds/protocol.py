@@ -1,8 +1,9 @@
 """The interface every world implements, and the argument checks every entry point shares.
 
-The checks here are the single source of what dstest accepts as a timeout, a world size, a seed, a world
-or target name and a rank function; ``dstest.run``, ``@dstest.spec``, the fixtures, the ``--dstest-*``
-options, the ``dstest`` CLI and every ``World.run`` call them. They import neither torch nor the worlds,
+The checks here are the single source of what dstest accepts as a timeout, a world size, a seed and a rank
+function; :class:`dstest.worlds.request.RunRequest` (what every ``World.run`` takes), ``@dstest.spec``, the
+``--dstest-*`` options and the ``dstest`` CLI call them (target and world names are checked by
+:mod:`dstest.registry`). They import neither torch nor the worlds,
 so the pytest plugin can use them at configure time. Each raises :class:`dstest.errors.InvalidArgument`
 (or :class:`~dstest.errors.InvalidWorldSize`) with a message naming the argument, the value received and
 what is allowed (SPEC.md, "clear error").
@@ -13,22 +14,19 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from dstest.errors import InvalidArgument, InvalidSpec, InvalidWorldSize
 
+if TYPE_CHECKING:
+    from dstest.worlds.request import RunRequest
+
 __all__ = [
     "MAX_TIMEOUT_S",
-    "TARGET_NAMES",
-    "RankCall",
     "World",
     "check_rank_function",
-    "check_run_arguments",
     "check_seed",
-    "check_target",
     "check_timeout",
-    "check_world_name",
     "check_world_size",
     "parse_timeout",
     "parse_world_sizes",
@@ -37,11 +35,6 @@ __all__ = [
 #: The longest timeout dstest accepts, in seconds (one day). A world that needs longer is a mistake, and
 #: far larger values (1e12) overflow ``threading`` waits and ``datetime.timedelta`` inside the worlds.
 MAX_TIMEOUT_S = 86_400.0
-
-#: The built-in target names, known without importing the targets (which import torch); plug-ins
-#: registered through :mod:`dstest.registry` are accepted too (:func:`check_target`).
-TARGET_NAMES = ("impl", "deepspeed")
-
 
 def _kind(value: object) -> str:
     return type(value).__name__
@@ -111,29 +104,6 @@ def check_seed(value: object, name: str = "seed") -> int:
     return int(value)
 
 
-def check_target(value: object, name: str = "target") -> str:
-    """``value`` if it names a known system under test: built in or a registered plug-in.
-
-    (:func:`dstest.registry.target_names`; checking imports no target.)
-    """
-    from dstest.registry import target_names
-
-    names = target_names()
-    if not isinstance(value, str) or value not in names:
-        raise InvalidArgument(f"{name}={value!r}: unknown target; allowed: {', '.join(names)}")
-    return value
-
-
-def check_world_name(value: object, name: str = "world") -> str:
-    """``value`` if it names a known world: built in or a registered plug-in (:func:`dstest.registry.world_names`)."""
-    from dstest.registry import world_names
-
-    names = world_names()
-    if not isinstance(value, str) or value not in names:
-        raise InvalidArgument(f"{name}={value!r}: unknown world; allowed: {', '.join(names)}")
-    return value
-
-
 def check_rank_function(fn: object, name: str = "fn") -> None:
     """Refuse what cannot be a rank body: non-callables, generator functions and ``async def`` functions.
 
@@ -159,72 +129,6 @@ def check_rank_function(fn: object, name: str = "fn") -> None:
         )
 
 
-def check_run_arguments(
-    world_size: object,
-    timeout: object,
-    fn: object = None,
-    *,
-    args: object = None,
-    kwargs: object = None,
-    seed: object = None,
-    target: object = None,
-) -> None:
-    """The checks every ``World.run`` makes before it starts anything.
-
-    ``fn``, ``args``, ``kwargs`` and ``seed`` are checked when given (not None), so that older call sites
-    passing only ``(world_size, timeout)`` keep working. ``target`` is checked when given for callers of
-    the spec layer (:func:`dstest.run`); worlds no longer take one.
-    """
-    check_world_size(world_size)
-    check_timeout(timeout)
-    if fn is not None:
-        check_rank_function(fn)
-    if args is not None and (isinstance(args, str | bytes) or not isinstance(args, Sequence)):
-        raise InvalidArgument(f"args={args!r} ({_kind(args)}): must be a tuple or list of positional arguments")
-    if kwargs is not None:
-        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-            raise InvalidArgument(f"kwargs={kwargs!r}: must be a dict with str keys, or None")
-    if seed is not None:
-        check_seed(seed)
-    if target is not None:
-        check_target(target)
-
-
-class RankCall:
-    """A rank function with a per-rank setup: ``RankCall(fn, setup)(ctx, ...)`` runs ``setup(ctx)``, then ``fn``.
-
-    The spec layer hands worlds one of these to bind the system under test on each rank
-    (``setup`` is a :class:`dstest.binding.TargetBinding`); a world needs to know nothing about it.
-    In-process worlds just call it. A world that sends functions to other processes pickles it, or
-    sends ``fn`` by its own reference mechanism and ``setup`` by pickle, and calls ``setup(ctx)`` on the
-    rank before ``fn``. ``fn`` and ``setup`` are public attributes for that purpose.
-    """
-
-    __slots__ = ("fn", "setup")
-
-    def __init__(self, fn: Callable[..., Any], setup: Callable[[Any], None]) -> None:
-        check_rank_function(fn)
-        if not callable(setup):
-            raise InvalidArgument(f"setup={setup!r} ({_kind(setup)}): must be callable as setup(ctx)")
-        self.fn = fn
-        self.setup = setup
-
-    def __call__(self, ctx: Any, *args: Any, **kwargs: Any) -> Any:
-        self.setup(ctx)
-        return self.fn(ctx, *args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("__name__", "__qualname__"):  # worlds name the function in their messages
-            return getattr(self.fn, name)
-        raise AttributeError(name)
-
-    def __reduce__(self) -> tuple[type[RankCall], tuple[Callable[..., Any], Callable[[Any], None]]]:
-        return (RankCall, (self.fn, self.setup))
-
-    def __repr__(self) -> str:
-        return f"RankCall({getattr(self.fn, '__qualname__', self.fn)!r}, {self.setup!r})"
-
-
 @runtime_checkable
 class World(Protocol):
     """Runs ``fn(ctx, *args, **kwargs)`` on the ranks of a (simulated or real) process group.
@@ -233,10 +137,11 @@ class World(Protocol):
     rank's traceback (:class:`dstest.errors.RankFailure`) or every rank's stack
     (:class:`dstest.errors.WorldTimeout`). Nothing it started outlives the call.
 
-    A world knows nothing of systems under test: the spec layer hands it a function that binds
-    ``ctx.target`` on the rank itself (:class:`dstest.binding.TargetBinding`). A world that runs ranks
-    in other processes sends ``fn`` there by reference or by pickle; ``fn`` may be a picklable callable
-    object, not only a module-level function. Plug-in worlds are registered through :mod:`dstest.registry`.
+    A world knows nothing of systems under test: the request's ``setup`` binds ``ctx.target`` on each
+    rank before the function (:meth:`RunRequest.rank_call`). A world that runs ranks in other processes
+    sends the function there by reference or by pickle (it may be a picklable callable object, not only a
+    module-level function) and the setup by pickle. Plug-in worlds are registered through
+    :mod:`dstest.registry`.
     """
 
     name: str
@@ -250,13 +155,6 @@ class World(Protocol):
         """Why this world cannot run ``world_size`` ranks here (a skip reason), or None."""
         ...
 
-    def run(
-        self,
-        fn: Callable[..., Any],
-        world_size: int,
-        *,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float = 60.0,
-        seed: int = 0,
-    ) -> list[Any]: ...
+    def run(self, request: RunRequest) -> list[Any]:
+        """Run ``request`` (:class:`dstest.worlds.request.RunRequest`, checked when made) on its ranks."""
+        ...

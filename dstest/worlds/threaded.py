@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -40,7 +40,7 @@ from dstest.worlds import _compat, _trace
 from dstest.worlds._backend import BACKEND_NAME, binding, rank_process_group, register_backend, translate_group
 from dstest.worlds._reports import Outcome, interrupt, reap, stacks_of, stuck_threads, timeout_error
 from dstest.worlds._session import Session
-from dstest.worlds.protocol import check_run_arguments
+from dstest.worlds.request import RunRequest
 
 __all__ = ["BACKEND_NAME", "ThreadedWorld", "c10d_state", "shutdown_all", "stuck_threads", "warm_thread_cap"]
 
@@ -106,17 +106,15 @@ def _is_consequence(session: Session, exc: BaseException) -> bool:
 def _call_rank(
     session: ThreadedSession,
     rank: int,
-    fn: Callable[..., Any],
+    request: RunRequest,
     ctx: RankContext,
-    args: Sequence[Any],
-    kwargs: dict[str, Any],
     outcome: Outcome,
 ) -> None:
     """Run the spec body on one rank, recording its result or failure; a failure aborts the world."""
     token = ctx.bind()
     returned = False
     try:
-        outcome.results[rank] = fn(ctx, *args, **kwargs)
+        outcome.results[rank] = request.rank_call(ctx)
         returned = True
     except BaseException as exc:  # every rank's outcome is reported, so catch all
         consequence = _is_consequence(session, exc)
@@ -452,21 +450,16 @@ class _WarmCrew:
         fresh.end()
         torch.set_grad_enabled(True)
 
-    def run(
-        self,
-        fn: Callable[..., Any],
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        timeout: float,
-        make_ctx: Callable[[int], RankContext],
-    ) -> list[Any]:
+    def run(self, request: RunRequest, recorder: _trace.Recorder, make_ctx: Callable[[int], RankContext]) -> list[Any]:
         session = self.session
         session.reset()
+        session.configure(recorder, hazards=request.async_hazards, strict_shapes=request.strict_shapes)
+        timeout = request.timeout
         _compat.thread_local_c10d_world_ensure()
         outcome = Outcome(self.world_size)
 
         def task(rank: int) -> None:
-            _call_rank(session, rank, fn, make_ctx(rank), args, kwargs, outcome)
+            _call_rank(session, rank, request, make_ctx(rank), outcome)
 
         phase = self._phase = _Countdown(self.world_size)
         self._run_id += 1
@@ -609,62 +602,41 @@ class ThreadedWorld:
             return "threaded world on cuda needs a CUDA device; none is available"
         return None
 
-    def run(
-        self,
-        fn: Callable[..., Any],
-        world_size: int,
-        *,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float = 60.0,
-        seed: int = 0,
-    ) -> list[Any]:
-        check_run_arguments(world_size, timeout, fn, args=args, kwargs=kwargs, seed=seed)
-        with _trace.world_run(self.name, world_size):
-            return self._run(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, seed=seed)
+    def run(self, request: RunRequest) -> list[Any]:
+        with _trace.world_run(self.name, request.world_size, request.recorder) as recorder:
+            return self._run(request, recorder)
 
-    def _run(
-        self,
-        fn: Callable[..., Any],
-        world_size: int,
-        *,
-        args: Sequence[Any],
-        kwargs: dict[str, Any] | None,
-        timeout: float,
-        seed: int,
-    ) -> list[Any]:
+    def _run(self, request: RunRequest, recorder: _trace.Recorder) -> list[Any]:
         register_backend()
         device = torch.device(self.device)
+        world_size = request.world_size
 
         def make_ctx(rank: int) -> RankContext:
-            ctx = RankContext(
-                rank=rank, world_size=world_size, world=self.name, device=device, seed=seed
-            )
-            ctx.attach_comm(binding.session.recorder.view(rank))
+            ctx = RankContext(rank=rank, world_size=world_size, world=self.name, device=device, seed=request.seed)
+            ctx.attach_comm(recorder.view(rank))
             return ctx
 
         crew = _CREWS.checkout(device, world_size) if self.warm else None
         if crew is not None:
             try:
-                return crew.run(fn, args, kwargs or {}, timeout, make_ctx)
+                return crew.run(request, recorder, make_ctx)
             finally:
                 crew.busy.release()
                 if crew.retired or crew.broken or not crew.usable() or crew.session.aborted is not None:
                     _CREWS.retire(crew)
                     crew.close(grace=0.5)
-        return self._run_cold(fn, world_size, args, kwargs or {}, timeout, make_ctx, device)
+        return self._run_cold(request, recorder, make_ctx, device)
 
     def _run_cold(
         self,
-        fn: Callable[..., Any],
-        world_size: int,
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        timeout: float,
+        request: RunRequest,
+        recorder: _trace.Recorder,
         make_ctx: Callable[[int], RankContext],
         device: torch.device,
     ) -> list[Any]:
+        world_size, timeout = request.world_size, request.timeout
         session = ThreadedSession(world_size)
+        session.configure(recorder, hazards=request.async_hazards, strict_shapes=request.strict_shapes)
         outcome = Outcome(world_size)
         phase = _Countdown(world_size)
         paused = _CollectorPaused(world_size)
@@ -676,7 +648,7 @@ class ThreadedWorld:
                 try:
                     with rank_process_group(c10d_world, session, rank, device, timedelta(seconds=timeout)):
                         paused.started()
-                        _call_rank(session, rank, fn, make_ctx(rank), args, kwargs, outcome)
+                        _call_rank(session, rank, request, make_ctx(rank), outcome)
                 except BaseException as exc:  # init failed, or an abort landed outside the body
                     outcome.fail(rank, exc, consequence=_is_consequence(session, exc))
                     session.abort(exc)

@@ -35,7 +35,7 @@ class _Command(NamedTuple):
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     seed: int
-    setup: Any  # a picklable setup(ctx) to run on each rank before the function (RankCall.setup), or None
+    setup: Any  # a picklable setup(ctx) to run on each rank before the function (RunRequest.setup), or None
     resets: tuple[str, ...] = ()  # dstest.resets references to call before the run, in order
 
 

@@ -33,6 +33,7 @@ from dstest.worlds.process.launch import _free_port, _mp_context, _threads_per_r
 from dstest.worlds.process.messages import _STOP, _Command, _FnRef, _PoolKey, _Reply, _unpickle_exception, _WorkerConfig
 from dstest.worlds.process.referee import _Referee
 from dstest.worlds.process.worker import _worker_main
+from dstest.worlds.request import RunRequest
 
 #: Seconds a pool may take to start and form its group (a cold fork server imports torch first).
 POOL_START_TIMEOUT = 180.0
@@ -260,19 +261,17 @@ class _Pool:
         return [w.pid for w in self.workers if not self.closed]
 
     # -- one run -------------------------------------------------------------------------------------------
-    def run(
-        self, ref: _FnRef, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float, seed: int, setup: Any = None
-    ) -> list[Any]:
-        """Run on every worker. On any failure that leaves the pool unusable, the pool is closed: the
-        caller replaces it (``self.closed`` tells)."""
+    def run(self, ref: _FnRef, request: RunRequest, recorder: _trace.Recorder) -> list[Any]:
+        """Run ``request`` (its function sent as ``ref``) on every worker. On any failure that leaves the pool
+        unusable, the pool is closed: the caller replaces it (``self.closed`` tells)."""
         __tracebackhide__ = True  # pytest shows the ranks' tracebacks in the message, not this frame
         self.wait_ready()
         run_id = next(self.run_ids)
+        command = _Command(
+            run_id, ref, tuple(request.args), request.call_kwargs(), request.seed, request.setup, registered_resets()
+        )
         try:
-            blob = pickle.dumps(
-                _Command(run_id, ref, tuple(args), kwargs, seed, setup, registered_resets()),
-                protocol=pickle.HIGHEST_PROTOCOL,
-            )
+            blob = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
             raise InvalidArgument(
                 f"the process world sends args and kwargs to its workers by pickle; those of "
@@ -281,20 +280,54 @@ class _Pool:
         W = self.key.world_size
         log_starts = {w.rank: _file_size(w.cfg.log_path) for w in self.workers}
         try:
-            replies, dead, first_failure = self._exchange(run_id, blob, timeout)
+            replies, dead, first_failure = self._exchange(run_id, blob, request.timeout, request.strict_shapes)
         except BaseException:
             self.kill()  # interrupted (Ctrl-C) mid-run: only a fresh pool is in a known state
             raise
         for r in sorted(replies):
             _forward_output(r, replies[r].output)
-        _take_traces(replies, W)
+        _take_traces(replies, recorder)
+        if dead or len(replies) < W:
+            self._raise_incomplete(ref, request.timeout, replies, dead, first_failure, log_starts, recorder)
+        unhealthy = {r: rep.unhealthy for r, rep in replies.items() if rep.unhealthy}
+        if unhealthy:
+            self.stop()  # the caller starts a fresh pool for the next run
+        if any(not rep.ok for rep in replies.values()):
+            raise _rank_failure(self._label(), W, replies, {}, pool_replaced=bool(unhealthy))
+        results = []
+        for r in range(W):
+            try:
+                results.append(pickle.loads(replies[r].result or b""))
+            except Exception as exc:
+                raise RankFailure(
+                    f"{self._label()}: the result of rank {r} could not be unpickled in the parent "
+                    f"({type(exc).__name__}: {exc})",
+                    {r: traceback.format_exc()},
+                    {r: exc},
+                ) from exc
+        self.last_used = time.monotonic()
+        return results
 
+    def _raise_incomplete(
+        self,
+        ref: _FnRef,
+        timeout: float,
+        replies: dict[int, _Reply],
+        dead: list[Any],
+        first_failure: Any,
+        log_starts: dict[int, int],
+        recorder: _trace.Recorder,
+    ) -> None:
+        """A run some worker did not answer: a worker died (:class:`WorkerDied`), or ranks ran past the
+        timeout or stayed blocked after a failure; the pool is killed either way."""
+        __tracebackhide__ = True
+        W = self.key.world_size
         label = self._label()
         if dead:
             for d in dead:
                 d.process.join(1.0)
             others = self._collect_quietly(replies)
-            _take_traces({r: rep for r, rep in others.items() if r not in replies}, W)
+            _take_traces({r: rep for r, rep in others.items() if r not in replies}, recorder)
             names = ", ".join(f"rank {d.rank} (pid {d.pid}) {d.describe_exit()}" for d in dead)
             outputs = "".join(
                 f"---- output of rank {d.rank} during the run ----\n{d.output_since(log_starts[d.rank])}\n"
@@ -305,7 +338,7 @@ class _Pool:
             self.kill()
             raise WorkerDied(f"{label}: {names} while running {ref.qualname}; the pool was replaced\n{outputs}{detail}")
         missing = [w for w in self.workers if w.rank not in replies]
-        if missing:
+        if missing:  # always, when no worker died
             stacks = self._stacks(missing)
             for w in missing:
                 out = w.output_since(log_starts[w.rank])
@@ -328,27 +361,8 @@ class _Pool:
             }
             raise _rank_failure(label, W, replies, aborted, pool_replaced=True)
 
-        unhealthy = {r: rep.unhealthy for r, rep in replies.items() if rep.unhealthy}
-        if unhealthy:
-            self.stop()  # the caller starts a fresh pool for the next run
-        if any(not rep.ok for rep in replies.values()):
-            raise _rank_failure(label, W, replies, {}, pool_replaced=bool(unhealthy))
-        results = []
-        for r in range(W):
-            try:
-                results.append(pickle.loads(replies[r].result or b""))
-            except Exception as exc:
-                raise RankFailure(
-                    f"{label}: the result of rank {r} could not be unpickled in the parent "
-                    f"({type(exc).__name__}: {exc})",
-                    {r: traceback.format_exc()},
-                    {r: exc},
-                ) from exc
-        self.last_used = time.monotonic()
-        return results
-
     def _exchange(
-        self, run_id: int, blob: bytes, timeout: float
+        self, run_id: int, blob: bytes, timeout: float, strict_shapes: bool
     ) -> tuple[dict[int, _Reply], list[_Worker], float | None]:
         """Send the run to every worker and gather replies until all came, one died, the run timed out, or
         the others had FAILURE_GRACE seconds after a failure."""
@@ -371,7 +385,7 @@ class _Pool:
                     run_id,
                     len(self.workers),
                     [w.check for w in self.workers],
-                    strict_shapes=bool(_trace.option("strict_shapes", False)),
+                    strict_shapes=strict_shapes,
                 )
                 for w in self.workers:
                     sel.register(w.check, selectors.EVENT_READ, ("check", w))
@@ -483,9 +497,8 @@ def _rank_failure(
     )
 
 
-def _take_traces(replies: dict[int, _Reply], world_size: int) -> None:
+def _take_traces(replies: dict[int, _Reply], recorder: _trace.Recorder) -> None:
     """The ranks' collective records, into the recorder of the run (see ``_trace.world_run``)."""
-    recorder = _trace.current_recorder(world_size)
     for r, rep in sorted(replies.items()):
         if rep.trace is not None:
             records, totals = rep.trace

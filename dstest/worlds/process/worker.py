@@ -242,7 +242,7 @@ class _Server:
             random.seed(rank_seed(cmd.seed, rank))
             token = ctx.bind()
             try:
-                if cmd.setup is not None:  # e.g. the spec layer binding the system under test (RankCall)
+                if cmd.setup is not None:  # e.g. the spec layer binding the system under test (RunRequest.setup)
                     cmd.setup(ctx)
                 value = fn(ctx, *cmd.args, **cmd.kwargs)
             finally:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from dstest.errors import (
@@ -18,18 +18,15 @@ from dstest.worlds.process.messages import _FnRef, _PoolKey
 from dstest.worlds.process.pool import _Pool
 from dstest.worlds.process.refs import _reference
 from dstest.worlds.process.warm import _COLD, _POOLS_LOCK, _pool_for, _replace, warm_worker_cap
-from dstest.worlds.protocol import RankCall, check_run_arguments
+from dstest.worlds.request import RunRequest
 
 
 def _run_cold(
     key: _PoolKey,
     world_name: str,
     ref: _FnRef,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    timeout: float,
-    seed: int,
-    setup: Any,
+    request: RunRequest,
+    recorder: _trace.Recorder,
 ) -> list[Any]:
     """One run on a pool of its own that is stopped after it (a world larger than the warm cap)."""
     __tracebackhide__ = True
@@ -38,7 +35,7 @@ def _run_cold(
         _COLD.add(pool)
     try:
         with pool.lock:
-            return pool.run(ref, args, kwargs, timeout, seed, setup)
+            return pool.run(ref, request, recorder)
     finally:
         if not pool.closed:
             pool.stop()
@@ -174,31 +171,21 @@ class ProcessWorld:
             return "the nccl world needs NCCL, which this torch build lacks"
         return None
 
-    def run(
-        self,
-        fn: Callable[..., Any],
-        world_size: int,
-        *,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float = 60.0,
-        seed: int = 0,
-    ) -> list[Any]:
-        check_run_arguments(world_size, timeout, fn, args=args, kwargs=kwargs, seed=seed)
+    def run(self, request: RunRequest) -> list[Any]:
         __tracebackhide__ = True
         _check_not_bootstrapping("run")
-        # A RankCall (the spec layer's per-rank setup around a function) travels as the function's
-        # reference plus its pickled setup, which the worker runs before the function.
-        setup = fn.setup if isinstance(fn, RankCall) else None
-        ref = _reference(fn.fn if isinstance(fn, RankCall) else fn)
+        # The function travels by reference; the request's setup (the spec layer's binding of the system
+        # under test) by pickle, and the worker runs it before the function.
+        ref = _reference(request.fn)
+        world_size = request.world_size
         key = _PoolKey(self.backend, self.device, world_size)
-        with _trace.world_run(self.name, world_size):
+        with _trace.world_run(self.name, world_size, request.recorder) as recorder:
             if world_size > warm_worker_cap():
-                return _run_cold(key, self.name, ref, tuple(args), dict(kwargs or {}), timeout, seed, setup)
+                return _run_cold(key, self.name, ref, request, recorder)
             pool = _pool_for(key, self.name)
             with pool.lock:
                 try:
-                    return pool.run(ref, tuple(args), dict(kwargs or {}), timeout, seed, setup)
+                    return pool.run(ref, request, recorder)
                 finally:
                     if pool.closed:
                         _replace(pool)
