@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from dstest.binding import TargetBinding
 from dstest.errors import InvalidArgument, InvalidSpec, InvalidWorldSize, RankFailure
 from dstest.registry import check_target, check_world_name
-from dstest.worlds.protocol import check_rank_function, check_seed, check_timeout
+from dstest.worlds.protocol import RANK_FN_ATTR, check_rank_function, check_seed, check_timeout
 from dstest.worlds.request import DEFAULT_SEED, DEFAULT_TIMEOUT, RunRequest
 
 __all__ = [
@@ -366,6 +366,7 @@ def spec(
             setattr(wrapper, attr, getattr(fn, attr))
         wrapper.__dict__.update(fn.__dict__)  # keeps pytest marks applied below the decorator
         wrapper.__dstest_spec__ = info  # type: ignore[attr-defined]
+        setattr(wrapper, RANK_FN_ATTR, info.fn)  # what worlds call when they find the spec by reference
         return wrapper
 
     return decorate

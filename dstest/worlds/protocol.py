@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_TIMEOUT_S",
+    "RANK_FN_ATTR",
     "World",
     "check_rank_function",
     "check_seed",
@@ -30,11 +31,24 @@ __all__ = [
     "check_world_size",
     "parse_timeout",
     "parse_world_sizes",
+    "rank_function_of",
 ]
 
 #: The longest timeout dstest accepts, in seconds (one day). A world that needs longer is a mistake, and
 #: far larger values (1e12) overflow ``threading`` waits and ``datetime.timedelta`` inside the worlds.
 MAX_TIMEOUT_S = 86_400.0
+
+#: An object a world finds by reference (module and qualified name) may name, in this attribute, the function
+#: the world calls instead of the object itself: ``@dstest.spec`` wrappers name their rank adapter. Worlds
+#: resolve specs through it without importing the spec layer.
+RANK_FN_ATTR = "__dstest_rank_fn__"
+
+
+def rank_function_of(obj: Any) -> Any:
+    """What a world calls for ``obj`` found by reference: its :data:`RANK_FN_ATTR` if it has one, else ``obj``."""
+    found = vars(obj).get(RANK_FN_ATTR) if hasattr(obj, "__dict__") else None
+    return obj if found is None else found
+
 
 def _kind(value: object) -> str:
     return type(value).__name__

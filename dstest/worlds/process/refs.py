@@ -17,14 +17,12 @@ from dstest.errors import (
     InvalidArgument,
 )
 from dstest.worlds.process.messages import _FnRef
+from dstest.worlds.protocol import rank_function_of
 
 
 def _reference(fn: Callable[..., Any]) -> _FnRef:
     """How workers will find ``fn``; raises InvalidArgument when they could not."""
-    from dstest.specification import spec_info
-
-    info = spec_info(fn)
-    body = info.fn if info is not None else fn
+    body: Any = rank_function_of(fn)
     module_name = getattr(body, "__module__", None)
     qualname = getattr(body, "__qualname__", None)
     how = (
@@ -42,13 +40,12 @@ def _reference(fn: Callable[..., Any]) -> _FnRef:
             obj = getattr(obj, part)
     except AttributeError:
         obj = None
-    found = spec_info(obj).fn if spec_info(obj) is not None else obj  # type: ignore[union-attr]
+    found = rank_function_of(obj)
     if module is not None and found is not body:
         # One body under several specs (``x = dstest.spec(...)(body)``): its name is the undecorated body,
         # the rank adapter lives in a spec wrapper under another module-level name.
         for name, value in vars(module).items():
-            value_info = spec_info(value)
-            if value_info is not None and value_info.fn is body:
+            if value is not body and rank_function_of(value) is body:
                 qualname, found = name, body
                 break
     if module is None or found is not body:

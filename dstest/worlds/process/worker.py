@@ -26,6 +26,7 @@ from dstest.worlds.process.checked import _install_checking
 from dstest.worlds.process.checker import _Checker
 from dstest.worlds.process.messages import _STOP, _Command, _FnRef, _pickle_exception, _Reply, _WorkerConfig
 from dstest.worlds.process.refs import _import_module
+from dstest.worlds.protocol import rank_function_of
 
 #: The backend's own collective timeout. The parent enforces the run's timeout by killing the pool, so
 #: this only has to be longer than any run; a shorter one would turn hangs into confusing backend errors.
@@ -92,9 +93,8 @@ def _worker_main(cfg: _WorkerConfig, conn: Connection, check_conn: Connection) -
     dist.all_reduce(warm)  # connect and warm the backend so the first spec pays nothing
     if key.device == "cuda":
         torch.cuda.synchronize()
-    # Imported once here rather than by the first spec.
-    import dstest.context
-    import dstest.specification  # noqa: F401
+    # Imported once here rather than by the first run.
+    import dstest.context  # noqa: F401
 
     conn.send(("ready", os.getpid()))
     server = _Server(cfg, device, read_fd, checker)
@@ -284,10 +284,7 @@ class _Server:
             obj: Any = module
             for part in ref.qualname.split("."):
                 obj = getattr(obj, part)
-            from dstest.specification import spec_info
-
-            info = spec_info(obj)
-            fn = info.fn if info is not None else obj
+            fn = rank_function_of(obj)
             self.functions[ref] = fn
         return fn
 
