@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+# CI runs `pytest -m cpu`: these tests need nothing but a CPU.
+pytestmark = pytest.mark.cpu
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 CONTRACTS = DOCS / "contracts.md"
@@ -129,14 +132,16 @@ def test_every_contract_the_code_cites_has_a_section_in_docs_contracts() -> None
 
 
 def test_each_contract_anchor_is_on_the_heading_of_that_contract() -> None:
-    lines = CONTRACTS.read_text(encoding="utf-8").splitlines()
-    anchors = contract_anchors()
-    assert len(anchors) == sum(line.count("{#") for line in lines if re.search(r"\{#[a-z][0-9]+\}", line))
-    for number, lineno in anchors.items():
-        line = lines[lineno - 1]
-        assert re.match(rf"#{{2,4}} {number}\b.*\{{#{number.lower()}\}}\s*$", line), (
-            f"docs/contracts.md:{lineno}: the anchor {{#{number.lower()}}} must end the heading of {number}: {line!r}"
-        )
+    """``{#a4}`` ends the heading of A4 and nothing else; no anchor is given twice."""
+    seen: dict[str, int] = {}
+    for lineno, line in enumerate(CONTRACTS.read_text(encoding="utf-8").splitlines(), 1):
+        for anchor in re.findall(r"\{#([a-z][0-9]+)\}", line):
+            assert anchor not in seen, f"docs/contracts.md:{lineno}: {{#{anchor}}} is also at line {seen[anchor]}"
+            seen[anchor] = lineno
+            assert re.match(rf"#{{2,4}} {anchor.upper()}\b.*\{{#{anchor}\}}\s*$", line), (
+                f"docs/contracts.md:{lineno}: {{#{anchor}}} must end the heading of {anchor.upper()}: {line!r}"
+            )
+    assert len(seen) >= 50, f"docs/contracts.md has {len(seen)} contract anchors"
 
 
 # -- the README -----------------------------------------------------------------------------------------------
@@ -194,7 +199,9 @@ def _documented_names() -> set[str]:
 def test_the_options_table_names_every_option_and_ini_setting_the_plugin_registers(tmp_path: Path) -> None:
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     without = _options_and_ini(_help_text(["-m", "pytest", "--help", "-p", "no:cacheprovider"], tmp_path))
-    with_ = _options_and_ini(_help_text(["-m", "pytest", "--help", "-p", "no:cacheprovider", "-p", "dstest.plugin"], tmp_path))
+    with_ = _options_and_ini(
+        _help_text(["-m", "pytest", "--help", "-p", "no:cacheprovider", "-p", "dstest.plugin"], tmp_path)
+    )
     options, ini = with_[0] - without[0], with_[1] - without[1]
     assert options and ini, f"no dstest option or ini setting found in pytest --help: {options}, {ini}"
     missing = sorted((options | ini) - _documented_names())
