@@ -1,6 +1,6 @@
 """Third-party targets and worlds: written outside the package, picked up by pytest hooks, run the bundled specs.
 
-The worked example of the README ("Adding a target or a world"): a conftest defines a tiny target (only
+The worked example of docs/extending.md ("Adding a target or a world"): a conftest defines a tiny target (only
 ``is_parallel``, with one bug: it calls a one-rank group parallel) and a tiny world (the threaded world
 under another name, counting its runs), returns them from the ``pytest_dstest_targets`` / ``pytest_dstest_worlds``
 hooks, and runs the A1-A4 specs with ``--dstest-target=mytarget --dstest-worlds=myworld``. The bug shows

@@ -5,7 +5,7 @@ next ones skip without it (``pytest.importorskip``) and stay cheap with it (no e
 and the ones that build engines in the process world are ``soak`` (the first ``deepspeed.initialize`` of a
 machine JIT-builds DeepSpeed's shm_comm op: 7 s on an idle 16-core machine, 85 s on a loaded 2-core one).
 The full conformance run against DeepSpeed is ``DS_ACCELERATOR=cpu dstest --target deepspeed --world process``
-(findings in the README).
+(findings in docs/deepspeed.md).
 """
 
 from __future__ import annotations

@@ -786,10 +786,10 @@ def test_world_group_kept_from_an_earlier_world_acts_for_the_current_world():
     assert world.run(RunRequest(later, 3)) == [True] * 3
 
 
-# -- the README's example, as written there ---------------------------------------------------------------------
+# -- the example of docs/worlds.md ("torch's stacks"), as written there -----------------------------------------
 @dstest.spec(world_size=SIZES, worlds=WORLDS, contract="E6")
 def test_readme_fsdp2_example(ctx):
-    """README "torch's stacks": torch.manual_seed then model construction on every rank, one FSDP2 step."""
+    """docs/worlds.md "torch's stacks": torch.manual_seed then model construction on every rank, one FSDP2 step."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
