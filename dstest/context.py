@@ -43,7 +43,7 @@ class RankContext:
 
     Worlds make the context; the spec layer binds the system under test onto it (:meth:`bind_target`)
     before the body runs, so ``ctx.target`` is whatever ``--dstest-target`` / ``dstest.run(target=)``
-    named. ``target_name`` is deprecated: a world that still passes it gets that target by name.
+    named (``target_name`` is its name).
     """
 
     rank: int
@@ -51,7 +51,7 @@ class RankContext:
     world: str
     device: torch.device
     seed: int = 0
-    target_name: str | None = None
+    target_name: str | None = field(default=None, init=False)
     generator: torch.Generator = field(init=False, repr=False)
     _groups: GroupBuilder | None = field(default=None, init=False, repr=False)
     _target: Target | None = field(default=None, init=False, repr=False)
@@ -98,10 +98,6 @@ class RankContext:
         """
         if self._target is None:
             factory = self._target_factory
-            if factory is None and self.target_name is not None:  # deprecated: a world passed the name
-                from dstest.registry import target_factory
-
-                factory = target_factory(self.target_name)
             if factory is None:
                 from dstest.errors import InvalidSpec
 

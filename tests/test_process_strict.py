@@ -29,7 +29,10 @@ from dstest.errors import (
     WorldTimeout,
 )
 from dstest.worlds import process
-from dstest.worlds.process import ProcessWorld, pool_pids
+from dstest.worlds.process import ProcessWorld, checked, pool_pids
+from dstest.worlds.process.messages import _PoolKey
+from dstest.worlds.process.warm import _POOLS, _POOLS_LOCK
+from dstest.worlds.process.world import _under_main_guard
 from dstest.worlds.request import RunRequest
 
 pytestmark = pytest.mark.cpu
@@ -374,14 +377,14 @@ def test_main_guard_detection(tmp_path):
     source.write_text(
         'import x\nrun()\nif __name__ == "__main__":\n    run()\nelse:\n    run()\nif "__main__" == __name__:\n    run()\n'
     )
-    assert [process._under_main_guard(str(source), n) for n in (2, 4, 6, 8)] == [False, True, False, True]
+    assert [_under_main_guard(str(source), n) for n in (2, 4, 6, 8)] == [False, True, False, True]
     # The parse is kept per version of the file: an edited script is read again.
     source.write_text('if __name__ == "__main__":\n    run()\nrun()\n')
     os.utime(source, ns=(1, 1))
-    assert [process._under_main_guard(str(source), n) for n in (2, 3)] == [True, False]
+    assert [_under_main_guard(str(source), n) for n in (2, 3)] == [True, False]
     # Inside multiprocessing's import of the script (as __mp_main__), any module-level call is refused.
     code = compile(
-        "from dstest.worlds.process import _check_not_bootstrapping\n_check_not_bootstrapping('run')", "s.py", "exec"
+        "from dstest.worlds.process.world import _check_not_bootstrapping\n_check_not_bootstrapping('run')", "s.py", "exec"
     )
     with pytest.raises(UnguardedMain, match="__mp_main__"):
         exec(code, {"__name__": "__mp_main__", "__file__": "s.py"})
@@ -415,12 +418,12 @@ def test_starting_a_pool_evicts_the_least_recently_used_beyond_the_cap(monkeypat
     PROCESS.run(RunRequest(_sum, 2, timeout=TIMEOUT))
     two = _pids()
     assert two
-    monkeypatch.setattr(process, "max_warm_workers", 2)
-    with process._POOLS_LOCK:  # a pool of 1 must be started now (not kept from another test)
-        stale = process._POOLS.pop(process._PoolKey("gloo", "cpu", 1), None)
+    capped = ProcessWorld(max_warm_workers=2)
+    with _POOLS_LOCK:  # a pool of 1 must be started now (not kept from another test)
+        stale = _POOLS.pop(_PoolKey("gloo", "cpu", 1), None)
     if stale is not None:
         stale.stop()
-    assert PROCESS.run(RunRequest(_pid, 1, timeout=TIMEOUT))
+    assert capped.run(RunRequest(_pid, 1, timeout=TIMEOUT))
     assert ("gloo", 2) not in pool_pids() and ("gloo", 1) in pool_pids()  # 2 + 1 > 2: the older one went
     assert all(_gone(p) for p in two)
 
@@ -430,16 +433,15 @@ def test_cap_setting_is_validated(monkeypatch, value):
     monkeypatch.setenv(process.MAX_WARM_WORKERS_ENV, value)
     with pytest.raises(InvalidArgument, match=f"{process.MAX_WARM_WORKERS_ENV}.*integer >= 0"):
         process.warm_worker_cap()
-    monkeypatch.setattr(process, "max_warm_workers", True)
-    with pytest.raises(InvalidArgument, match="max_warm_workers=True"):
-        process.warm_worker_cap()
+    with pytest.raises(InvalidArgument, match="max_warm_workers=True must be an integer >= 0"):
+        ProcessWorld(max_warm_workers=True)  # type: ignore[arg-type]
 
 
 def _ddp(ctx):
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
     model(torch.full((3, 4), float(ctx.rank))).sum().backward()
-    return [p.grad.tolist() for p in model.parameters()], len(process._CHECKER.posted)
+    return [p.grad.tolist() for p in model.parameters()], len(checked._CHECKER.posted)
 
 
 def test_ddp_runs_on_checked_groups():

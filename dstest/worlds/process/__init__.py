@@ -28,7 +28,7 @@ reported with each rank's pending call; work a run leaves unmatched or unwaited 
 :class:`UnfinishedWork` and never reaches gloo, so it cannot leak into the next run. NCCL pools are not
 checked.
 
-Warm workers are capped (:func:`warm_worker_cap`: ``max_warm_workers`` in this module, else the
+Warm workers are capped (:func:`warm_worker_cap`: a world's ``max_warm_workers``, else the
 ``DSTEST_PROCESS_MAX_WORKERS`` environment variable, else ``DEFAULT_MAX_WARM_WORKERS``), all pools
 together; starting a pool closes the least recently used idle ones beyond the cap, and a world larger
 than the cap runs cold. A script must start the process world under ``if __name__ == "__main__":``
@@ -51,99 +51,24 @@ The package, one module per concern (each imports only those before it in this l
 - :mod:`~dstest.worlds.process.pool`: one pool of warm workers and its failure reports;
 - :mod:`~dstest.worlds.process.warm`: the pools of this process, the warm cap, :func:`shutdown_all`;
 - :mod:`~dstest.worlds.process.world`: :class:`ProcessWorld` and cold runs.
-
-The settings (``max_warm_workers``, ``FAILURE_GRACE``, ``POOL_START_TIMEOUT``, ...) live in the module
-that reads them; reading or setting them on this package (``dstest.worlds.process.max_warm_workers = 2``,
-``monkeypatch.setattr(process, "FAILURE_GRACE", ...)``) reads or sets them there (see ``_SETTINGS``).
 """
 
 from __future__ import annotations
 
-import sys
-import types
-from typing import TYPE_CHECKING, Any
-
-from dstest.worlds.process import checked, checker, launch, pool, warm, worker
-
-# Re-exported (``X as X``) for the tests and for code written against the single module this package
-# replaced; the public names are in ``__all__``.
-from dstest.worlds.process.messages import RemoteRankError as RemoteRankError
-from dstest.worlds.process.messages import _PoolKey as _PoolKey
-from dstest.worlds.process.warm import _POOLS as _POOLS
-from dstest.worlds.process.warm import _POOLS_LOCK as _POOLS_LOCK
-from dstest.worlds.process.warm import pool_pids, shutdown_all, warm_worker_cap
+from dstest.worlds.process.warm import (
+    DEFAULT_MAX_WARM_WORKERS,
+    MAX_WARM_WORKERS_ENV,
+    pool_pids,
+    shutdown_all,
+    warm_worker_cap,
+)
 from dstest.worlds.process.world import ProcessWorld
-from dstest.worlds.process.world import _check_not_bootstrapping as _check_not_bootstrapping
-from dstest.worlds.process.world import _under_main_guard as _under_main_guard
-
-if TYPE_CHECKING:  # served by _Package below, from the module that owns each setting
-    from dstest.worlds.process.checked import _CHECKER as _CHECKER
-    from dstest.worlds.process.pool import FAILURE_GRACE as FAILURE_GRACE
-    from dstest.worlds.process.pool import POOL_START_TIMEOUT as POOL_START_TIMEOUT
-    from dstest.worlds.process.warm import DEFAULT_MAX_WARM_WORKERS as DEFAULT_MAX_WARM_WORKERS
-    from dstest.worlds.process.warm import MAX_WARM_WORKERS_ENV as MAX_WARM_WORKERS_ENV
-    from dstest.worlds.process.warm import max_warm_workers as max_warm_workers
 
 __all__ = [
     "DEFAULT_MAX_WARM_WORKERS",
-    "FAILURE_GRACE",
     "MAX_WARM_WORKERS_ENV",
-    "POOL_START_TIMEOUT",
     "ProcessWorld",
-    "max_warm_workers",
     "pool_pids",
     "shutdown_all",
     "warm_worker_cap",
 ]
-
-# Module-level settings and state, by the module that reads them. They are not copied here: a copy would
-# not see a later assignment, and an assignment to a copy would not take effect.
-_SETTINGS: dict[str, types.ModuleType] = {
-    "POOL_START_TIMEOUT": pool,
-    "FAILURE_GRACE": pool,
-    "_STACK_WAIT_S": pool,
-    "MAX_WARM_WORKERS_ENV": warm,
-    "max_warm_workers": warm,
-    "DEFAULT_MAX_WARM_WORKERS": warm,
-    "_ATEXIT_REGISTERED": warm,
-    "_BACKEND_TIMEOUT_S": worker,
-    "_OUTPUT_LIMIT": worker,
-    "_CHECK_DRAIN_S": checker,
-    "_CHECK_ACK_S": checker,
-    "_CHECKER": checked,
-    "_CONTEXT": launch,
-}
-
-
-_DEFAULTS: dict[str, Any] = {name: getattr(home, name) for name, home in _SETTINGS.items()}
-
-
-class _Package(types.ModuleType):
-    """This package's module type: the names in ``_SETTINGS`` are read from, and set in, their module."""
-
-    def __getattr__(self, name: str) -> Any:
-        home = _SETTINGS.get(name)
-        if home is None:
-            raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
-        return getattr(home, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        home = _SETTINGS.get(name)
-        if home is None:
-            super().__setattr__(name, value)
-        else:
-            setattr(home, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        # Deleting a setting puts its import-time value back (what undoing a monkeypatch.setattr does
-        # when the name was not in this module's own __dict__).
-        if name in _SETTINGS:
-            setattr(_SETTINGS[name], name, _DEFAULTS[name])
-            return
-        super().__delattr__(name)
-
-    def __dir__(self) -> list[str]:
-        return sorted(set(super().__dir__()) | set(_SETTINGS))
-
-
-sys.modules[__name__].__class__ = _Package

@@ -20,8 +20,6 @@ from dstest.worlds.process.pool import _Pool
 #: The environment variable that caps the worker processes kept warm, all pools of this process together:
 #: an integer >= 0 (0 keeps none: every world runs cold). Read at each run.
 MAX_WARM_WORKERS_ENV = "DSTEST_PROCESS_MAX_WORKERS"
-#: The same cap as a setting of this module; when not None it wins over the environment variable.
-max_warm_workers: int | None = None
 #: The cap when neither is set.
 DEFAULT_MAX_WARM_WORKERS = max(32, 4 * (os.cpu_count() or 1))
 
@@ -38,12 +36,12 @@ _COLD: set[_Pool] = set()  # pools of cold runs in progress (stopped by shutdown
 _ATEXIT_REGISTERED = False
 
 
-def _pool_for(key: _PoolKey, world_name: str) -> _Pool:
+def _pool_for(key: _PoolKey, world_name: str, cap: int) -> _Pool:
     global _ATEXIT_REGISTERED
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
         if pool is None or pool.closed:
-            _evict_for(key.world_size)
+            _evict_for(key.world_size, cap)
             pool = _POOLS[key] = _Pool(key, world_name).start()
         if not _ATEXIT_REGISTERED:
             atexit.register(shutdown_all)
@@ -52,16 +50,16 @@ def _pool_for(key: _PoolKey, world_name: str) -> _Pool:
         return pool
 
 
-def warm_worker_cap() -> int:
+def warm_worker_cap(setting: int | None = None) -> int:
     """The most worker processes kept warm across runs (all pools together).
 
-    ``max_warm_workers`` if set, else the ``DSTEST_PROCESS_MAX_WORKERS`` environment variable, else
-    ``DEFAULT_MAX_WARM_WORKERS``. Pools are kept in least-recently-used order: starting a pool closes the
+    ``setting`` (a :class:`~dstest.worlds.process.world.ProcessWorld`'s ``max_warm_workers``) if not None,
+    else the ``DSTEST_PROCESS_MAX_WORKERS`` environment variable, else ``DEFAULT_MAX_WARM_WORKERS``. Pools are kept in least-recently-used order: starting a pool closes the
     idle pools used longest ago until the kept workers fit under the cap; a world larger than the cap
     runs cold (its workers start for the run and stop after it).
     """
-    value: object = max_warm_workers
-    source = "dstest.worlds.process.max_warm_workers"
+    value: object = setting
+    source = "max_warm_workers"
     if value is None:
         raw = os.environ.get(MAX_WARM_WORKERS_ENV, "").strip()
         if not raw:
@@ -79,9 +77,8 @@ def warm_worker_cap() -> int:
     return value
 
 
-def _evict_for(extra: int) -> None:
-    """Close least recently used idle pools so that at most ``warm_worker_cap()`` workers stay warm."""
-    cap = warm_worker_cap()
+def _evict_for(extra: int, cap: int) -> None:
+    """Close least recently used idle pools so that at most ``cap`` workers stay warm."""
     live = sorted((p for p in _POOLS.values() if not p.closed), key=lambda p: p.last_used)
     total = sum(p.key.world_size for p in live) + extra
     for pool in live:

@@ -151,10 +151,17 @@ class ProcessWorld:
     it; the world group, imported modules and other process state persist across runs of the same pool.
     """
 
-    def __init__(self, *, backend: str = "gloo", device: str = "cpu", name: str = "process") -> None:
+    def __init__(
+        self, *, backend: str = "gloo", device: str = "cpu", name: str = "process", max_warm_workers: int | None = None
+    ) -> None:
         self.name = name
         self.backend = backend
         self.device = device
+        if max_warm_workers is not None:
+            warm_worker_cap(max_warm_workers)  # checked now, not at the first run
+        #: The most worker processes kept warm across runs, all pools together (None: the environment
+        #: variable ``DSTEST_PROCESS_MAX_WORKERS``, else the default; see :func:`warm_worker_cap`).
+        self.max_warm_workers = max_warm_workers
 
     @property
     def marker(self) -> str:
@@ -180,9 +187,10 @@ class ProcessWorld:
         world_size = request.world_size
         key = _PoolKey(self.backend, self.device, world_size)
         with _trace.world_run(self.name, world_size, request.recorder) as recorder:
-            if world_size > warm_worker_cap():
+            cap = warm_worker_cap(self.max_warm_workers)
+            if world_size > cap:
                 return _run_cold(key, self.name, ref, request, recorder)
-            pool = _pool_for(key, self.name)
+            pool = _pool_for(key, self.name, cap)
             with pool.lock:
                 try:
                     return pool.run(ref, request, recorder)
@@ -194,15 +202,17 @@ class ProcessWorld:
         """Start the pools of these world sizes without waiting: they warm up while other work runs."""
         _check_not_bootstrapping("prestart")
         for ws in world_sizes:
-            if ws > warm_worker_cap():
+            cap = warm_worker_cap(self.max_warm_workers)
+            if ws > cap:
                 continue  # runs cold
-            _pool_for(_PoolKey(self.backend, self.device, ws), self.name)
+            _pool_for(_PoolKey(self.backend, self.device, ws), self.name, cap)
 
     def warm(self, world_size: int) -> float:
         """Start (if needed) and wait for the pool of ``world_size`` ranks; returns its launch-to-ready seconds."""
         _check_not_bootstrapping("warm")
         key = _PoolKey(self.backend, self.device, world_size)
-        if world_size > warm_worker_cap():  # nothing is kept: measure a cold start
+        cap = warm_worker_cap(self.max_warm_workers)
+        if world_size > cap:  # nothing is kept: measure a cold start
             cold = _Pool(key, self.name).start()
             try:
                 cold.wait_ready()
@@ -210,7 +220,7 @@ class ProcessWorld:
                 if not cold.closed:
                     cold.stop()
             return cold.start_seconds or 0.0
-        pool = _pool_for(key, self.name)
+        pool = _pool_for(key, self.name, cap)
         with pool.lock:
             try:
                 pool.wait_ready()
