@@ -1,4 +1,4 @@
-"""The cost of recording every collective (counts, bytes, the records of ``dstest.worlds._trace``).
+"""The cost of recording every collective (counts, bytes, the records of ``dstest.trace``).
 
     python benchmarks/bench_trace.py [--quick] [--json PATH]
 
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dstest.worlds import _trace
+import dstest.trace as _trace
 from dstest.worlds.fake import FakeWorld
 from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld

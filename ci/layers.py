@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "errors, the registry of target and world names, argument checks, the torch-free matching core",
         ("dstest.errors", "dstest.registry", "dstest.resets", "dstest.worlds.protocol", "dstest.worlds.core"),
     ),
-    ("trace", "the records of every collective of a run (public: dstest.trace)", ("dstest.trace", "dstest.worlds._trace")),
+    ("trace", "the records of every collective of a run (public: dstest.trace)", ("dstest.trace",)),
     (
         "rank",
         "what a rank body sees: its context, group and shard helpers, the target adapter interface",

@@ -27,9 +27,9 @@ _EXPORTS = {
     "run": "dstest.specification",
     "spec": "dstest.specification",
     "RankContext": "dstest.context",
-    "CommView": "dstest.worlds._trace",
-    "Recording": "dstest.worlds._trace",
-    "recording": "dstest.worlds._trace",
+    "CommView": "dstest.trace",
+    "Recording": "dstest.trace",
+    "recording": "dstest.trace",
     "CollectiveMismatch": "dstest.errors",
     "Deviation": "dstest.errors",
     "DstestError": "dstest.errors",
@@ -101,10 +101,10 @@ if TYPE_CHECKING:
     from dstest.specification import Settings as Settings
     from dstest.specification import run as run
     from dstest.specification import spec as spec
+    from dstest.trace import CommView as CommView
+    from dstest.trace import Recording as Recording
+    from dstest.trace import recording as recording
     from dstest.worlds import DEFAULT_WORLDS as DEFAULT_WORLDS
     from dstest.worlds import WORLD_NAMES as WORLD_NAMES
     from dstest.worlds import World as World
     from dstest.worlds import get_world as get_world
-    from dstest.worlds._trace import CommView as CommView
-    from dstest.worlds._trace import Recording as Recording
-    from dstest.worlds._trace import recording as recording

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from dstest.groups import GroupBuilder
     from dstest.targets.base import Target
-    from dstest.worlds._trace import CommView
+    from dstest.trace import CommView
 
 __all__ = ["RankContext", "current_context", "rank_seed"]
 
@@ -122,7 +122,7 @@ class RankContext:
             w.bytes() == out.numel() * out.element_size()
 
         ``ctx.comm.counts()`` is ``{op: calls}`` of the run so far; ``group=`` narrows any count to one
-        process group. What each collective counts is listed in :mod:`dstest.worlds._trace`.
+        process group. What each collective counts is listed in :mod:`dstest.trace`.
         """
         if self._comm is None:
             from dstest.errors import InvalidSpec

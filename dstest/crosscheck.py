@@ -127,7 +127,7 @@ def crosscheck(
     module-level function) for the process world.
     """
     from dstest.specification import run
-    from dstest.worlds._trace import recording
+    from dstest.trace import recording
 
     if len(worlds) != 2 or len(set(worlds)) != 2:
         raise InvalidArgument(f"crosscheck: worlds={list(worlds)!r}: name two different worlds")

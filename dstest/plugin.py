@@ -376,7 +376,7 @@ def _check_placement(metafunc: pytest.Metafunc, info: Any) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Any:
     """Record the world runs of the test; write their trace (``--dstest-trace``, or on failure)."""
-    from dstest.worlds import _trace  # light: no torch import
+    import dstest.trace as _trace  # light: no torch import
 
     failed = False
     with _trace.recording(full=item.config.getoption(OPT_TRACE) is not None) as rec:

@@ -1,7 +1,7 @@
 """Counts and bytes per collective and group for assertions (SPEC G2): ``ctx.comm`` in every world.
 
 Every expected value here is computed by hand from the shapes the body passes (what each collective
-counts is the table in :mod:`dstest.worlds._trace`).
+counts is the table in :mod:`dstest.trace`).
 """
 
 from __future__ import annotations

@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 
+import dstest.trace as _trace
 from dstest.errors import CollectiveMismatch, InvalidArgument, UnfinishedWork, WorkAborted, WorldAborted
 from dstest.worlds import _collectives as C
-from dstest.worlds import _compat, _hazards, _trace
+from dstest.worlds import _compat, _hazards
 
 __all__ = ["Done", "Session", "Waitable"]
 

@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
+import dstest.trace as _trace
 from dstest.context import RankContext
 from dstest.errors import InvalidArgument, RankFailure, WorldTimeout
 from dstest.worlds import _collectives as C
-from dstest.worlds import _compat, _trace
+from dstest.worlds import _compat
 from dstest.worlds._backend import rank_process_group, register_backend
 from dstest.worlds._reports import format_exception
 from dstest.worlds._session import Done

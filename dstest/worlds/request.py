@@ -39,7 +39,7 @@ class RunRequest:
     ``setup``, when given, is called as ``setup(ctx)`` on every rank before ``fn`` (a world that runs ranks in
     other processes pickles it). ``async_hazards`` poisons outputs of async collectives read before their wait
     (worlds that can); ``strict_shapes`` makes buffers that differ only in shape a mismatch. ``recorder`` is
-    the :class:`dstest.worlds._trace.Recorder` the run writes its collectives into; None gives the run a
+    the :class:`dstest.trace.Recorder` the run writes its collectives into; None gives the run a
     fresh one. Made once, checked once: a bad value raises :class:`~dstest.errors.InvalidArgument` naming it.
     """
 

@@ -14,12 +14,12 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+import dstest.trace as _trace
 from dstest.errors import (
     CollectiveMismatch,
     UnfinishedWork,
     WorldAborted,
 )
-from dstest.worlds import _trace
 
 # Cross-rank checking, worker side
 # ------------------------------------------------------------------------------------------------------
@@ -65,7 +65,7 @@ class _Record:
         self.issue_error: BaseException | None = None  # gloo refused the call when it was issued
         self.waited = False
         self.callbacks: list[Callable[[], None]] = []
-        self.record: Any = None  # the run's trace record of the call (dstest.worlds._trace)
+        self.record: Any = None  # the run's trace record of the call (dstest.trace)
 
 
 def _check_error(kind: str, message: str) -> BaseException:

@@ -19,6 +19,7 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import dstest.trace as _trace
 from dstest.errors import (
     InvalidArgument,
     RankFailure,
@@ -27,7 +28,6 @@ from dstest.errors import (
     WorldTimeout,
 )
 from dstest.resets import registered as registered_resets
-from dstest.worlds import _trace
 from dstest.worlds._reports import format_stacks
 from dstest.worlds.process.launch import _free_port, _mp_context, _threads_per_rank
 from dstest.worlds.process.messages import _STOP, _Command, _FnRef, _PoolKey, _Reply, _unpickle_exception, _WorkerConfig

@@ -10,10 +10,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import dstest.trace as _trace
 from dstest.errors import (
     UnguardedMain,
 )
-from dstest.worlds import _trace
 from dstest.worlds.process.messages import _FnRef, _PoolKey
 from dstest.worlds.process.pool import _Pool
 from dstest.worlds.process.refs import _reference

@@ -1,0 +1,333 @@
+"""The records: one :class:`CallRecord` per rank per collective or transfer, a :class:`RankLog` per rank,
+with exact totals, and how a call is labelled and measured (the table in :mod:`dstest.trace`). No torch import."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+#: Records kept per rank while a trace is asked for (``dstest.recording()``, ``--dstest-trace``); the
+#: oldest are dropped beyond it. Counts and bytes stay exact whatever is kept.
+RECORD_LIMIT = 100_000
+#: Records kept per rank otherwise: enough for a failure's timeline and its trace file. Keeping every
+#: record costs the garbage collector time in long runs (measured: benchmarks/bench_trace.py).
+RING_LIMIT = 256
+#: Calls per rank shown in a failure report's timeline.
+TIMELINE_CALLS = 6
+#: Ranks shown in a failure report's timeline (ranks with an unfinished or failed call first).
+TIMELINE_RANKS = 16
+
+_OPS = (
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "barrier",
+    "send",
+    "recv",
+)
+
+# Frames in dstest's worlds and in this package are never a call site.
+_here = os.path.dirname(os.path.abspath(__file__))
+_OWN_DIRS: tuple[str, ...] = (os.path.join(os.path.dirname(_here), "worlds") + os.sep, _here + os.sep)
+_SKIP_DIRS: tuple[str, ...] = _OWN_DIRS
+
+
+def _skip_dirs() -> tuple[str, ...]:
+    """Directories whose frames are not a call site: dstest's worlds and torch (found once torch is loaded)."""
+    global _SKIP_DIRS
+    if len(_SKIP_DIRS) == len(_OWN_DIRS):
+        torch = sys.modules.get("torch")
+        path = getattr(torch, "__file__", None)
+        if path:
+            found = [*_OWN_DIRS, os.path.dirname(os.path.abspath(path)) + os.sep]
+            # torch's deprecation wrappers (torch 2.13: all_gather_into_tensor) run through this file
+            extensions = getattr(sys.modules.get("typing_extensions"), "__file__", None)
+            if extensions:
+                found.append(os.path.abspath(extensions))
+            _SKIP_DIRS = tuple(found)
+    return _SKIP_DIRS
+
+
+def call_site(depth: int = 2) -> tuple[str, int, str] | None:
+    """(file, line, function) of the innermost frame outside dstest's worlds and torch."""
+    skip = _skip_dirs()
+    frame: Any = sys._getframe(depth)
+    while frame is not None:
+        code = frame.f_code
+        if not code.co_filename.startswith(skip):
+            return (code.co_filename, frame.f_lineno, code.co_name)
+        frame = frame.f_back
+    return None
+
+
+def _site_text(site: tuple[str, int, str] | None) -> str:
+    if site is None:
+        return "?"
+    return f"{os.path.basename(site[0])}:{site[1]} ({site[2]})"
+
+
+def _now() -> int:
+    return time.perf_counter_ns()
+
+
+class CallRecord:
+    """One rank's side of one collective or transfer."""
+
+    __slots__ = (
+        "dtype",
+        "error",
+        "group",
+        "kind",
+        "nbytes",
+        "numel",
+        "op",
+        "peer",
+        "rank",
+        "reduce_op",
+        "root",
+        "seq",
+        "shapes",
+        "site",
+        "sync",
+        "t_done",
+        "t_post",
+        "t_wait",
+        "t_waited",
+        "tag",
+        "wait_site",
+    )
+
+    def __init__(
+        self,
+        rank: int,
+        op: str,
+        group: str,
+        seq: int | None,
+        dtype: str,
+        shapes: tuple[tuple[int, ...], ...],
+        numel: int,
+        nbytes: int,
+    ) -> None:
+        self.rank = rank
+        self.op = op
+        self.kind = "p2p" if op in ("send", "recv") else "collective"
+        self.group = group
+        self.seq = seq
+        self.dtype = dtype
+        self.shapes = shapes
+        self.numel = numel
+        self.nbytes = nbytes
+        self.reduce_op: str | None = None
+        self.root: int | None = None
+        self.peer: int | None = None
+        self.tag: int | None = None
+        self.t_post = _now()
+        self.t_done: int | None = None
+        self.t_wait: int | None = None
+        self.t_waited: int | None = None
+        self.site: tuple[str, int, str] | None = None
+        self.wait_site: tuple[str, int, str] | None = None
+        self.error: str | None = None
+        self.sync = False  # waited right after it was posted (a blocking call)
+
+    # -- the world's hooks ---------------------------------------------------------------------------
+    def finished(self, error: BaseException | None) -> None:
+        """The call completed (any thread); ``error``: it failed."""
+        if self.t_done is None:
+            self.t_done = _now()
+        if error is not None and self.error is None:
+            self.error = f"{type(error).__name__}: {error}".splitlines()[0][:200]
+
+    def waiting(self, log: RankLog | None = None) -> None:
+        """The rank starts waiting for this call (on its own thread)."""
+        if self.t_wait is None:
+            self.t_wait = _now()
+            self.sync = log is not None and log.last is self
+            # A blocking call waits where it was called; only a later wait needs its own site.
+            self.wait_site = self.site if self.sync else call_site(3)
+
+    def waited(self) -> None:
+        if self.t_waited is None:
+            self.t_waited = _now()
+
+    # -- reading -------------------------------------------------------------------------------------
+    def describe(self) -> str:
+        parts = [f"{self.dtype}{list(s)}" for s in self.shapes[:4]]
+        if len(self.shapes) > 4:
+            parts.append(f"... {len(self.shapes)} tensors")
+        if self.reduce_op is not None:
+            parts.append(f"op={self.reduce_op}")
+        if self.root is not None:
+            parts.append(f"root={self.root}")
+        if self.peer is not None:
+            parts.append(f"{'to' if self.op == 'send' else 'from'} rank {self.peer}")
+        if self.tag:
+            parts.append(f"tag={self.tag}")
+        where = f" on {self.group}" + (f" seq {self.seq}" if self.seq is not None else "")
+        return f"{self.op}({', '.join(parts)}){where}"
+
+    def status(self) -> str:
+        if self.error is not None:
+            return f"failed: {self.error}"
+        if self.t_done is None:
+            return "not completed"
+        return "done"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in CallRecord.__slots__}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CallRecord:
+        rec = cls.__new__(cls)
+        for name in cls.__slots__:
+            setattr(rec, name, d.get(name))
+        return rec
+
+
+class _Totals:
+    """Counts, elements and bytes per (group, op)."""
+
+    __slots__ = ("by_key",)
+
+    def __init__(self) -> None:
+        self.by_key: dict[tuple[str, str], list[int]] = {}
+
+    def add(self, rec: CallRecord) -> None:
+        row = self.by_key.get((rec.group, rec.op))
+        if row is None:
+            self.by_key[(rec.group, rec.op)] = [1, rec.numel, rec.nbytes]
+        else:
+            row[0] += 1
+            row[1] += rec.numel
+            row[2] += rec.nbytes
+
+
+class _Window:
+    def __init__(self) -> None:
+        self.totals = _Totals()
+        self.records: list[CallRecord] = []
+
+
+class RankLog:
+    """One rank's records and totals, and the windows open on it."""
+
+    def __init__(self, rank: int, limit: int = RECORD_LIMIT) -> None:
+        self.rank = rank
+        self.lock = threading.Lock()
+        self.records: deque[CallRecord] = deque(maxlen=limit)
+        self.posted = 0
+        self.totals = _Totals()
+        self.windows: list[_Window] = []
+        self.last: CallRecord | None = None
+
+    def add(self, rec: CallRecord) -> None:
+        with self.lock:
+            self.records.append(rec)
+            self.posted += 1
+            self.totals.add(rec)
+            self.last = rec
+            for w in self.windows:
+                w.totals.add(rec)
+                w.records.append(rec)
+
+    @property
+    def dropped(self) -> int:
+        return self.posted - len(self.records)
+
+
+# -- labels and measurements ----------------------------------------------------------------------------
+def _abbrev(ranks: Sequence[int]) -> str:
+    if len(ranks) <= 8:
+        return str(list(ranks))
+    return f"[{ranks[0]}, {ranks[1]}, {ranks[2]}, ..., {ranks[-1]}] ({len(ranks)} ranks)"
+
+
+def group_label(group: Any, world_size: int | None = None) -> str:
+    """How records name a group: ``"world"``, or ``"<name> [ranks]"`` (long rank lists abbreviated).
+
+    ``group`` is a process group as the code under test holds it; None is the world group.
+    """
+    if group is None:
+        return "world"
+    ranks = getattr(group, "global_ranks", None)
+    name = getattr(group, "_name", None)
+    if ranks is None:
+        ranks = getattr(group, "members", None)
+        name = getattr(group, "gid", None)
+    if ranks is None:
+        import torch.distributed as dist
+
+        if group is dist.GroupMember.WORLD:
+            return "world"
+        ranks = dist.get_process_group_ranks(group)
+        name = getattr(group, "group_name", "?")
+    if world_size is None:
+        session = getattr(group, "session", None)
+        checker = getattr(group, "checker", None)
+        world_size = getattr(session or checker, "world_size", None)
+    if str(name) == "0" and len(ranks) == world_size:
+        return "world"
+    return f"{name} {_abbrev(list(ranks))}"
+
+
+_DTYPE_NAMES: dict[Any, tuple[str, int]] = {}
+
+
+def _dtype_info(dtype: Any) -> tuple[str, int]:
+    """(name without "torch.", bytes per element) of a torch dtype."""
+    known = _DTYPE_NAMES.get(dtype)
+    if known is None:
+        known = _DTYPE_NAMES[dtype] = (str(dtype).replace("torch.", ""), int(getattr(dtype, "itemsize", 0) or 0))
+    return known
+
+
+def _size(t: Any) -> int:
+    return int(t.numel())
+
+
+def measure(call: Any) -> tuple[str, tuple[tuple[int, ...], ...], int, int]:
+    """(dtype, shapes, elements, bytes) of one rank's side of a collective (a ``_collectives.Call``)."""
+    op = call.op
+    shapes: tuple[tuple[int, ...], ...]
+    if op in ("all_reduce", "reduce", "broadcast"):
+        t = call.tensor
+        shapes, n, dtype = (tuple(t.shape),), _size(t), t.dtype
+    elif op == "all_gather":
+        t = call.inp
+        shapes, n, dtype = (tuple(t.shape),), sum(_size(o) for o in call.outs), t.dtype
+    elif op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        shapes, dtype = (tuple(call.inp.shape), tuple(call.out.shape)), call.inp.dtype
+        n = _size(call.out) if op == "all_gather_into_tensor" else _size(call.inp)
+    elif op == "reduce_scatter":
+        t = call.out
+        shapes, n, dtype = (tuple(t.shape),), sum(_size(i) for i in call.inps), t.dtype
+    elif op == "all_to_all":
+        ins = call.inps
+        shapes = tuple(tuple(i.shape) for i in ins)
+        n = sum(_size(i) for i in ins)
+        dtype = ins[0].dtype if ins else None
+    elif op == "all_to_all_single":
+        shapes, n, dtype = (tuple(call.inp.shape), tuple(call.out.shape)), _size(call.inp), call.inp.dtype
+    elif op == "gather":
+        t = call.inp
+        shapes, n, dtype = (tuple(t.shape),), _size(t) * call.group_size, t.dtype
+    elif op == "scatter":
+        t = call.out
+        shapes, n, dtype = (tuple(t.shape),), _size(t) * call.group_size, t.dtype
+    else:  # barrier
+        return ("", (), 0, 0)
+    name, itemsize = _dtype_info(dtype)
+    return (name, shapes, n, n * itemsize)
