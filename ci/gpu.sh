@@ -99,7 +99,7 @@ print("smoke: compact on cuda equals the reference")
 # otherwise (loading it both ways would register it twice).
 plugin=()
 if ! "$python" -c 'import importlib.metadata as m; m.distribution("dstest")' >/dev/null 2>&1; then
-  plugin=(-p dstest.plugin)
+  plugin=(-p dstest.pytest.plugin)
 fi
 step pytest_gpu 600 "$out/pytest-gpu.log" -- "$python" -m pytest -m gpu -p no:cacheprovider \
   "${plugin[@]}" -ra --junitxml="$out/pytest-gpu.xml" "$root/tests"

@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "errors, the registry of target and world names, argument checks, the torch-free matching core",
         ("dstest.errors", "dstest.registry", "dstest.resets", "dstest.worlds.protocol", "dstest.worlds.core"),
     ),
-    ("trace", "the records of every collective of a run (public: dstest.trace)", ("dstest.trace",)),
+    ("trace", "the records of every collective of a run", ("dstest.trace",)),
     (
         "rank",
         "what a rank body sees: its context, group and shard helpers, the target adapter interface",
@@ -38,34 +38,14 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "spec",
         "specs and runs: @dstest.spec, dstest.run, target binding, programs, strategies, crosscheck",
-        (
-            "dstest.specification",
-            "dstest.binding",
-            "dstest.programs",
-            "dstest.strategies",
-            "dstest.lockstep",
-            "dstest.crosscheck",
-        ),
+        ("dstest.specification", "dstest.binding", "dstest.programs", "dstest.strategies", "dstest.crosscheck"),
     ),
-    (
-        "targets",
-        "the systems under test and the conformance specs they are held to",
-        ("dstest.targets", "dstest.specs"),
-    ),
-    ("report", "conformance reports: terminal, JSON, JUnit, HTML", ("dstest.report", "dstest.html_report", "dstest.progress")),
+    ("targets", "the systems under test and the conformance specs they are held to", ("dstest.targets", "dstest.conformance")),
+    ("report", "conformance reports: terminal, JSON, JUnit, HTML, progress", ("dstest.report",)),
     (
         "front",
         "what users start: the pytest plugin and fixtures, the CLI, plugins that run other projects' suites",
-        (
-            "dstest.plugin",
-            "dstest.fixtures",
-            "dstest.hookspecs",
-            "dstest.html_plugin",
-            "dstest.cli",
-            "dstest.__main__",
-            "dstest.compat",
-            "dstest",
-        ),
+        ("dstest.pytest", "dstest.cli", "dstest.__main__", "dstest.compat", "dstest"),
     ),
 )
 

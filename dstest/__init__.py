@@ -1,6 +1,6 @@
 """dstest: test distributed-training code on simulated process groups, rerun the same specs on NCCL.
 
-The public names below load on first use (PEP 562), so that ``import dstest.plugin``, which pytest does
+The public names below load on first use (PEP 562), so that ``import dstest.pytest.plugin``, which pytest does
 in every project where dstest is installed, imports neither torch nor hypothesis.
 """
 

@@ -1,6 +1,6 @@
 """``dstest`` / ``python -m dstest``: the conformance run.
 
-Runs the bundled specs (``dstest.specs``, the contracts of SPEC.md) against one or more targets, worlds and
+Runs the bundled specs (``dstest.conformance``, the contracts of SPEC.md) against one or more targets, worlds and
 world sizes, prints a table (spec x world size: pass / FAIL / DEV / skip, with times) and writes JSON and
 JUnit XML for CI systems and a self-contained HTML page for people. Exit code 1 when a spec fails on a
 target; deviations of a third-party target (DeepSpeed) are findings, reported but not failing unless
@@ -9,7 +9,7 @@ target; deviations of a third-party target (DeepSpeed) are findings, reported bu
 There is one conformance route: this command runs pytest in-process on the bundled package, once per
 target, with :class:`dstest.report.ConformanceReport` collecting the outcomes; it only translates its
 flags into pytest's (:func:`pytest_args`). So ``dstest --target X -k A1`` and
-``pytest --dstest-target=X --dstest-worlds=<X's default world> <dstest/specs> -k A1`` count the same,
+``pytest --dstest-target=X --dstest-worlds=<X's default world> <dstest/conformance> -k A1`` count the same,
 fixtures and plug-in targets and worlds (pytest hooks, entry points) included.
 """
 
@@ -56,7 +56,7 @@ def _output(flag: str) -> Callable[[str], str]:
 
     def check(text: str) -> str:
         from dstest.errors import InvalidArgument
-        from dstest.html_report import check_output_path
+        from dstest.report.html import check_output_path
 
         try:
             return check_output_path(text, flag)
@@ -89,13 +89,13 @@ def _default_world(target: str) -> str:
 
 
 def specs_path() -> str:
-    """The directory of the bundled conformance package (``dstest/specs``)."""
+    """The directory of the bundled conformance package (``dstest/conformance``)."""
     import importlib.util
 
-    found = importlib.util.find_spec("dstest.specs")
+    found = importlib.util.find_spec("dstest.conformance")
     locations = list(found.submodule_search_locations or []) if found is not None else []
     if not locations:  # pragma: no cover - a broken installation
-        raise RuntimeError("dstest.specs cannot be found: reinstall dstest")
+        raise RuntimeError("dstest.conformance cannot be found: reinstall dstest")
     return os.path.realpath(locations[0])
 
 
@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.junit:
         write_junit(results, args.junit)
     if args.html:
-        from dstest.html_report import write_html
+        from dstest.report.html import write_html
 
         command = shlex.join(["dstest", *(sys.argv[1:] if argv is None else argv)])
         write_html(results, args.html, seconds=seconds, command=command, plugins=args.plugin)

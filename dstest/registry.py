@@ -3,7 +3,7 @@
 dstest ships two targets (``impl``, ``deepspeed``) and six worlds (``threaded``, ``threaded-cuda``,
 ``fake``, ``process``, ``nccl``, ``launched``). Third parties add more in any of three ways, all ending here:
 
-* a pytest plugin or ``conftest.py`` implements the hooks of :mod:`dstest.hookspecs`
+* a pytest plugin or ``conftest.py`` implements the hooks of :mod:`dstest.pytest.hookspecs`
   (``pytest_dstest_targets()`` / ``pytest_dstest_worlds()`` return ``{name: factory}``); the dstest plugin registers
   what they return at ``pytest_configure``;
 * a distribution declares an entry point in the group ``dstest.targets`` or ``dstest.worlds``

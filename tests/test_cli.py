@@ -76,7 +76,7 @@ def test_each_target_has_a_default_world():
 
 def test_the_cli_only_translates_its_flags_to_pytest():
     args = cli.pytest_args("impl", ["threaded", "fake"], world_sizes=[1, 2], keyword="A1", timeout=30.0)
-    assert args[0] == cli.specs_path() and args[0].endswith("specs")
+    assert args[0] == cli.specs_path() and args[0].endswith("conformance")
     assert {
         "--dstest-target=impl",
         "--dstest-worlds=threaded,fake",

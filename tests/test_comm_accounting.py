@@ -150,7 +150,7 @@ class _Sizes(torch.nn.Sequential):
 
 
 def _zero3_forward(ctx: Any, sizes: list[int]) -> dict[str, Any]:
-    from dstest.specs._helpers import config
+    from dstest.conformance._helpers import config
 
     torch.manual_seed(0)
     engine = ctx.target.initialize(_Sizes(sizes), config(3, "mean"))
@@ -253,7 +253,7 @@ def test_collectives_issued_falls_back_to_the_targets_count() -> None:
     with the target's own counter of its last step."""
     from types import SimpleNamespace
 
-    from dstest.specs._helpers import collectives_issued
+    from dstest.conformance._helpers import collectives_issued
 
     target = SimpleNamespace(name="t", supports=lambda feature: True)
     engine = SimpleNamespace(collective_counts=lambda: {"all_reduce": 2})

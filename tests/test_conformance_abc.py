@@ -1,7 +1,7 @@
 """Collects the bundled specs of SPEC.md parts A, B (stage 3 included) and C (run against
 ``--dstest-target``, impl by default)."""
 
-from dstest.specs.grad_norm import *  # noqa: F403
-from dstest.specs.grad_reduction import *  # noqa: F403
-from dstest.specs.non_contiguous import *  # noqa: F403
-from dstest.specs.optional_groups import *  # noqa: F403
+from dstest.conformance.grad_norm import *  # noqa: F403
+from dstest.conformance.grad_reduction import *  # noqa: F403
+from dstest.conformance.non_contiguous import *  # noqa: F403
+from dstest.conformance.optional_groups import *  # noqa: F403

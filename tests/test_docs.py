@@ -200,7 +200,7 @@ def test_the_options_table_names_every_option_and_ini_setting_the_plugin_registe
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     without = _options_and_ini(_help_text(["-m", "pytest", "--help", "-p", "no:cacheprovider"], tmp_path))
     with_ = _options_and_ini(
-        _help_text(["-m", "pytest", "--help", "-p", "no:cacheprovider", "-p", "dstest.plugin"], tmp_path)
+        _help_text(["-m", "pytest", "--help", "-p", "no:cacheprovider", "-p", "dstest.pytest.plugin"], tmp_path)
     )
     options, ini = with_[0] - without[0], with_[1] - without[1]
     assert options and ini, f"no dstest option or ini setting found in pytest --help: {options}, {ini}"

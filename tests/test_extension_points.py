@@ -77,7 +77,7 @@ EXPECTED = {"passed": 8, "deviation": 5}
 def test_an_external_target_and_world_run_the_bundled_specs(pytester: pytest.Pytester) -> None:
     """The conftest route: a downstream suite imports the bundled specs; its conftest brings target and world."""
     pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_conformance="from dstest.specs.optional_groups import *  # noqa: F403\n")
+    pytester.makepyfile(test_conformance="from dstest.conformance.optional_groups import *  # noqa: F403\n")
     result = pytester.runpytest_subprocess(
         "-p",
         "no:cacheprovider",

@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 
 from dstest import cli
-from dstest.html_report import render, reproduce
 from dstest.report import Result
+from dstest.report.html import render, reproduce
 
 pytestmark = pytest.mark.cpu
 

@@ -13,7 +13,7 @@ import torch
 
 import dstest
 import impl
-from dstest.specs import batch, build, config, mse
+from dstest.conformance import batch, build, config, mse
 from impl.engine import CheckpointError
 from impl.loss_scaler import LossScaler
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import impl
+from dstest.conformance import build, config
 from dstest.errors import DstestError, InvalidArgument, UnknownFeature
-from dstest.specs import build, config
 from dstest.targets import FEATURES, Target, TrainingEngine, get_target, require
 
 pytestmark = pytest.mark.cpu

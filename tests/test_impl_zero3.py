@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dstest
-from dstest.specs import Deep13, Hidden13, assert_close_rel, batch, build, config, micro_step, mse
+from dstest.conformance import Deep13, Hidden13, assert_close_rel, batch, build, config, micro_step, mse
 from impl.zero.gather import BufferPool
 from impl.zero.partition import (
     RegistrationError,

@@ -2,7 +2,7 @@
 gatherer and its buffer pool, and the native allgather-v ops.
 
 These checks ask questions about buffers, launches and collectives that only impl can answer, so they are
-impl's tests, not conformance specs (the specs of :mod:`dstest.specs.zero3` drive any target's engine).
+impl's tests, not conformance specs (the specs of :mod:`dstest.conformance.zero3` drive any target's engine).
 They are ``@dstest.spec`` bodies all the same, parametrized over the same worlds as before (threaded on
 CPU, nccl on GPU) and world sizes 1-4; the last section checks that they catch broken implementations.
 
@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 import dstest
+from dstest.conformance import SIZE_KINDS
 from dstest.errors import RankFailure
 from dstest.specification import spec_info
-from dstest.specs import SIZE_KINDS
 
 WORLD_SIZES = [1, 2, 3, 4]
 

@@ -1,4 +1,4 @@
-"""The non-contiguous call-site specs (dstest/specs/non_contiguous.py, SPEC A7 at the call sites of A6).
+"""The non-contiguous call-site specs (dstest/conformance/non_contiguous.py, SPEC A7 at the call sites of A6).
 
 They run against impl in the conformance suite (tests/test_conformance_abc.py). Here: their layouts really
 are views that are not contiguous, and each spec goes red on the bug it exists for, a reduction whose result
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import dstest
+from dstest.conformance import non_contiguous as nc
+from dstest.conformance import optional_groups as a
 from dstest.errors import RankFailure
-from dstest.specs import non_contiguous as nc
-from dstest.specs import optional_groups as a
 
 pytestmark = pytest.mark.cpu
 

@@ -117,7 +117,7 @@ def test_markers_are_registered(pytester: pytest.Pytester) -> None:
 
 
 def test_plugin_import_does_not_import_torch(pytester: pytest.Pytester) -> None:
-    result = pytester.run(sys.executable, "-c", "import sys, dstest.plugin, dstest; print('torch' in sys.modules)")
+    result = pytester.run(sys.executable, "-c", "import sys, dstest.pytest.plugin, dstest; print('torch' in sys.modules)")
     assert result.ret == 0, result.stderr.str()
     result.stdout.fnmatch_lines(["False"])
 
@@ -156,7 +156,7 @@ import json, sys
 def _record(config, when):
     path = config.rootpath / "guest.json"
     seen = json.loads(path.read_text()) if path.exists() else {}
-    active = any(getattr(p, "__name__", None) == "dstest.plugin" for p in config.pluginmanager.get_plugins())
+    active = any(getattr(p, "__name__", None) == "dstest.pytest.plugin" for p in config.pluginmanager.get_plugins())
     seen[when] = {"dstest": active, "torch": "torch" in sys.modules}
     path.write_text(json.dumps(seen))
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from dstest import cli
-from dstest.progress import LiveBar, PlainLines, for_stream
+from dstest.report.progress import LiveBar, PlainLines, for_stream
 
 pytestmark = pytest.mark.cpu
 

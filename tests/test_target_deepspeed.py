@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import dstest
+from dstest.conformance import SpecNet, build, config
 from dstest.errors import Deviation, DstestError
-from dstest.specs import SpecNet, build, config
 from dstest.targets import TARGET_NAMES, Target, get_target
 from dstest.targets.deepspeed import (
     STRICT_ENV,
@@ -258,7 +258,7 @@ def _process_run(fn: Any, world_size: int, **kwargs: Any) -> list[Any]:
 @pytest.mark.soak
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_optional_group_specs_pass(deepspeed: types.ModuleType, world_size: int) -> None:
-    from dstest.specs import optional_groups as a
+    from dstest.conformance import optional_groups as a
 
     for spec in (a.test_a1_none_is_absent, a.test_a3_single_rank_group, a.test_a4_non_member):
         _process_run(spec, world_size)
@@ -269,7 +269,7 @@ def test_optional_group_specs_pass(deepspeed: types.ModuleType, world_size: int)
 def test_engine_specs_pass_run_after_run(deepspeed: types.ModuleType) -> None:
     """Engines in consecutive runs of one pool: the groups DeepSpeed cached in the first run were destroyed
     with it, so the adapter must have released them (else "Group ... is not registered")."""
-    from dstest.specs import grad_reduction as b
+    from dstest.conformance import grad_reduction as b
 
     for _ in range(2):
         _process_run(b.test_b2_sum_is_w_times_mean, 2, stage=1, path="reduce_scatter")
@@ -279,9 +279,9 @@ def test_engine_specs_pass_run_after_run(deepspeed: types.ModuleType) -> None:
 @pytest.mark.soak
 def test_a_finding_is_a_deviation_not_a_failure(deepspeed: types.ModuleType) -> None:
     """B8 at stage 3: DeepSpeed 0.19.8 rejects "sum" with ZeRO-3; the CLI reports a deviation."""
+    from dstest.conformance import grad_reduction
     from dstest.errors import RankFailure
     from dstest.report import classify
-    from dstest.specs import grad_reduction
 
     with pytest.raises(RankFailure) as err:
         _process_run(grad_reduction.test_b8_stage3_sum_over_w_trains_like_mean, 2, optimizer="SGD")

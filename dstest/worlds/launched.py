@@ -5,7 +5,7 @@ nodes) starts one pytest per rank and tells each, through the environment, who i
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) and where the rendezvous store is
 (``MASTER_ADDR``/``MASTER_PORT``; under torch elastic the agent hosts it, ``TORCHELASTIC_USE_AGENT_STORE``).
 dstest starts no process of its own here: every launched pytest collects the same items, runs them in the
-same order (:mod:`dstest.lockstep`) and, for each run of a spec, joins its peers through that store.
+same order (:mod:`dstest.pytest.lockstep`) and, for each run of a spec, joins its peers through that store.
 
 One run at world size N of a launch of W ranks:
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dstest
-from dstest.specs._helpers import (
+from dstest.conformance._helpers import (
     DTYPE_CONFIGS,
     assert_close_rel,
     batch,

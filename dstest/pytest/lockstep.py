@@ -44,7 +44,7 @@ _ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
 
 
 class Lockstep:
-    """The pytest hooks of one launched rank (registered by the dstest plugin as ``dstest.lockstep``)."""
+    """The pytest hooks of one launched rank (registered by the dstest plugin as ``dstest.pytest.lockstep``)."""
 
     def __init__(self, config: pytest.Config, timeout: float) -> None:
         self.config = config

@@ -2,8 +2,8 @@
 
 Loaded with the dstest plugin (its ``pytest_plugins``). The option registers a watching
 :class:`dstest.report.ConformanceReport` (it changes no collection) and writes
-:func:`dstest.html_report.write_html`'s page at the end of the session: the same page as
-``dstest --html PATH``, for runs that go through pytest (``pytest dstest/specs --dstest-target=X``, a
+:func:`dstest.report.html.write_html`'s page at the end of the session: the same page as
+``dstest --html PATH``, for runs that go through pytest (``pytest dstest/conformance --dstest-target=X``, a
 suite that imports the bundled specs). Under pytest-xdist the workers put each case on its reports and
 the controller writes the page. Imports only pytest and the standard library at import time.
 """
@@ -24,7 +24,7 @@ _started_key = pytest.StashKey[float]()
 
 def _parse_html(value: str) -> str:
     from dstest.errors import InvalidArgument
-    from dstest.html_report import check_output_path  # light: no torch import
+    from dstest.report.html import check_output_path  # light: no torch import
 
     try:
         return check_output_path(value, OPT_HTML)
@@ -50,7 +50,7 @@ def _is_xdist_worker(config: pytest.Config) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption(OPT_HTML) is None or _is_xdist_worker(config):
         return
-    from dstest.plugin import OPT_TARGET
+    from dstest.pytest.plugin import OPT_TARGET
     from dstest.report import ConformanceReport
 
     collector = ConformanceReport(config.getoption(OPT_TARGET), progress=False, select=False)
@@ -74,7 +74,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     collector = config.stash.get(_collector_key, None)
     if collector is None:
         return
-    from dstest.html_report import write_html
+    from dstest.report.html import write_html
 
     command = shlex.join(["pytest", *config.invocation_params.args])
     seconds = time.perf_counter() - config.stash[_started_key]

@@ -8,10 +8,10 @@ deselects nothing (``soak`` items are left out only where the ini opts in with `
 this repository's does), registers only the markers the project does not declare itself, and its warning
 filter matches only dstest's own ``WorldAborted``. The one exception is by design: under a launcher (RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT set) every session runs in lockstep, plain tests included
-(:mod:`dstest.lockstep`).
+(:mod:`dstest.pytest.lockstep`).
 
-Also: the hooks of :mod:`dstest.hookspecs` (plug-in targets and worlds, registered at configure time),
-collection of the bundled conformance package (``pytest dstest/specs`` collects every spec module, not
+Also: the hooks of :mod:`dstest.pytest.hookspecs` (plug-in targets and worlds, registered at configure time),
+collection of the bundled conformance package (``pytest dstest/conformance`` collects every spec module, not
 only ``test_*.py``), and deviations: a spec failure of a third-party target is marked as a deviation on
 its report and shown as ``D`` / ``DEV`` with its own summary section (see :mod:`dstest.report`).
 """
@@ -26,7 +26,7 @@ import pytest
 from dstest.worlds.request import DEFAULT_SEED, DEFAULT_TIMEOUT  # light: no torch import
 
 # --dstest-html (the conformance report of a pytest run as one HTML page) has its hooks in its own module.
-pytest_plugins = ["dstest.html_plugin"]
+pytest_plugins = ["dstest.pytest.html"]
 
 OPT_WORLDS = "--dstest-worlds"
 OPT_TIMEOUT = "--dstest-timeout"
@@ -226,7 +226,7 @@ def _add_observation_options(group: Any) -> None:
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
-    from dstest import hookspecs
+    from dstest.pytest import hookspecs
 
     pluginmanager.add_hookspecs(hookspecs)
 
@@ -276,12 +276,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # reported as an unraisable exception; the thread gets the next one. Not a failure of the test, even
     # under filterwarnings=error; any other unraisable exception still is.
     config.addinivalue_line("filterwarnings", _IGNORE_SWALLOWED_ABORT)
-    from dstest import fixtures
     from dstest.errors import InvalidArgument
+    from dstest.pytest import fixtures
     from dstest.specification import Settings
 
     if not config.pluginmanager.is_registered(fixtures):
-        config.pluginmanager.register(fixtures, "dstest.fixtures")
+        config.pluginmanager.register(fixtures, "dstest.pytest.fixtures")
     _register_plugins(config)
     _check_worlds(config.getoption(OPT_WORLDS))
     # Option values set without the parsers (a conftest's config.option, pytest.main's plugins) are
@@ -303,7 +303,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _start_lockstep(config: pytest.Config) -> None:
-    """Under a launcher (torchrun), run every item in lockstep with the other ranks (:mod:`dstest.lockstep`)."""
+    """Under a launcher (torchrun), run every item in lockstep with the other ranks (:mod:`dstest.pytest.lockstep`)."""
     from dstest.errors import InvalidArgument
     from dstest.worlds.launched import launch_environment  # light: no torch import
 
@@ -311,16 +311,16 @@ def _start_lockstep(config: pytest.Config) -> None:
         env = launch_environment()
     except InvalidArgument as exc:
         raise pytest.UsageError(str(exc)) from None
-    if env is None or config.pluginmanager.has_plugin("dstest.lockstep"):
+    if env is None or config.pluginmanager.has_plugin("dstest.pytest.lockstep"):
         return
     if getattr(config.option, "numprocesses", None):
         raise pytest.UsageError(
             f"-n {config.option.numprocesses} under a launcher (RANK={env.rank}, WORLD_SIZE={env.world_size}): "
             "each launched rank is one pytest session, so pytest-xdist cannot split it; drop -n"
         )
-    from dstest.lockstep import Lockstep
+    from dstest.pytest.lockstep import Lockstep
 
-    config.pluginmanager.register(Lockstep(config, settings(config).timeout), "dstest.lockstep")
+    config.pluginmanager.register(Lockstep(config, settings(config).timeout), "dstest.pytest.lockstep")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -489,11 +489,11 @@ def pytest_collect_file(file_path: Any, parent: pytest.Collector) -> pytest.Modu
 
 @functools.cache
 def _specs_dir() -> str:
-    """The directory of :mod:`dstest.specs`, found without importing it (it imports torch)."""
+    """The directory of :mod:`dstest.conformance`, found without importing it (it imports torch)."""
     import importlib.util
     import os
 
-    found = importlib.util.find_spec("dstest.specs")
+    found = importlib.util.find_spec("dstest.conformance")
     locations = list(found.submodule_search_locations or []) if found is not None else []
     return os.path.realpath(locations[0]) if locations else ""
 
@@ -552,7 +552,7 @@ def _contracts_as_keywords(config: pytest.Config, items: list[pytest.Item]) -> N
 
 def settings(config: pytest.Config) -> Any:
     """The run settings the options produced (used by the fixtures)."""
-    from dstest.fixtures import SETTINGS_KEY
+    from dstest.pytest.fixtures import SETTINGS_KEY
 
     return config.stash[SETTINGS_KEY]
 

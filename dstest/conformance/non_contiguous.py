@@ -1,6 +1,6 @@
 """SPEC A5-A7 at every call site of A6, with the non-contiguous tensors real models give them.
 
-The specs of :mod:`dstest.specs.optional_groups` drive each call site with contiguous tensors. Models hand
+The specs of :mod:`dstest.conformance.optional_groups` drive each call site with contiguous tensors. Models hand
 it views instead: weights kept ``[in, out]`` and used as ``w.t()``, features-first activations read as
 ``[N, D]``, one part of a wider (fused) activation, sequence-first batches ``[S, B, D]`` read batch-first,
 and losses read through such views, so that the gradients flowing back are views as well (see
@@ -38,8 +38,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import dstest
+from dstest.conformance._helpers import block_offset, config, gathered, members, shared_randn, topology
 from dstest.groups import TOPOLOGIES
-from dstest.specs._helpers import block_offset, config, gathered, members, shared_randn, topology
 from dstest.targets import require
 
 #: How a model holds the tensor a call site receives; each is a view that is not contiguous.

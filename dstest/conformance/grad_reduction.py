@@ -2,7 +2,7 @@
 
 The stage-3 specs (``test_b2_stage3_*``, ``test_b8_stage3_*``) use :class:`Hidden13` (hidden size 13) and
 skip a target without the "stage3" feature; their reduction paths are
-:data:`~dstest.specs._helpers.STAGE3_PATHS`.
+:data:`~dstest.conformance._helpers.STAGE3_PATHS`.
 
 Every gradient check compares with an exact fp64 reference computed from every rank's data (which any
 rank can regenerate), on a model whose parameter sizes are not divisible by W, with different data per
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import dstest
-from dstest.specs._helpers import (
+from dstest.conformance._helpers import (
     PATHS,
     STAGE3_PATHS,
     Hidden13,

@@ -2,7 +2,7 @@
 
 One classification serves both routes: the pytest plugin marks a spec failure of a third-party target as
 a *deviation* (``pytest_runtest_makereport``), and the ``dstest`` command, which runs pytest with
-:class:`ConformanceReport` registered, reads the same mark. So ``pytest --dstest-target=X dstest/specs``
+:class:`ConformanceReport` registered, reads the same mark. So ``pytest --dstest-target=X dstest/conformance``
 and ``dstest --target X`` count the same passes, failures, deviations and skips.
 
 A deviation is the target breaking a SPEC.md contract (an assertion in the spec, or the target's own
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from dstest.progress import Progress
+    from dstest.report.progress import Progress
 
 __all__ = [
     "CASE_PROPERTY",
@@ -332,7 +332,7 @@ class ConformanceReport:
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         if self.progress:  # stderr is the terminal's here and after each case, a capture while specs run
-            from dstest.progress import for_stream
+            from dstest.report.progress import for_stream
 
             self._progress = for_stream(sys.stderr, self.target)
             self._progress.start(len(self.cases))

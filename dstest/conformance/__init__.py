@@ -7,13 +7,13 @@ real models pass), ``grad_reduction`` (B1-B9, stage 3 included), ``grad_norm``
 the target lacks (:func:`dstest.targets.require`). Checks of impl's own pieces (its partitioner, gatherer,
 registration check and native ops) are impl's tests, in ``tests/test_impl_*.py``.
 
-The helpers the specs share live in :mod:`dstest.specs._helpers`; the names below are re-exported for
+The helpers the specs share live in :mod:`dstest.conformance._helpers`; the names below are re-exported for
 tests and for spec authors outside the package.
 """
 
 from __future__ import annotations
 
-from dstest.specs import _helpers
-from dstest.specs._helpers import *  # noqa: F403  (listed once: _helpers.__all__)
+from dstest.conformance import _helpers
+from dstest.conformance._helpers import *  # noqa: F403  (listed once: _helpers.__all__)
 
 __all__ = list(_helpers.__all__)

@@ -4,9 +4,9 @@ Every spec here drives ``ctx.target`` only and skips a target without stage 3 (o
 reads). What the implementation's own pieces do with buffers, launches and the registration check (D1-D6
 asked of impl's partitioner and gatherer directly) is impl's business and is tested in
 ``tests/test_impl_zero3_components.py``; the stage-3 B2 and B8 specs sit with the other B specs in
-:mod:`dstest.specs.grad_reduction`.
+:mod:`dstest.conformance.grad_reduction`.
 
-Parameter sizes cover 0, 1, W-1, W+1, primes and hidden size 13 (:data:`~dstest.specs._helpers.SIZE_KINDS`).
+Parameter sizes cover 0, 1, W-1, W+1, primes and hidden size 13 (:data:`~dstest.conformance._helpers.SIZE_KINDS`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import dstest
-from dstest.specs._helpers import SIZE_KINDS, Deep13, Hidden13, assert_close_rel, build, config, micro_step
+from dstest.conformance._helpers import SIZE_KINDS, Deep13, Hidden13, assert_close_rel, build, config, micro_step
 from dstest.targets import require
 
 __all__ = [

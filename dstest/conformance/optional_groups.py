@@ -16,8 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import dstest
-from dstest.groups import TOPOLOGIES
-from dstest.specs._helpers import (
+from dstest.conformance._helpers import (
     batch,
     block_offset,
     build,
@@ -29,6 +28,7 @@ from dstest.specs._helpers import (
     shared_randn,
     topology,
 )
+from dstest.groups import TOPOLOGIES
 from dstest.targets import require
 
 OPS = ("mean", "sum")
