@@ -39,6 +39,37 @@ _OUTPUT_LIMIT = 1 << 20  # bytes of one rank's output forwarded per run
 def _worker_main(cfg: _WorkerConfig, conn: Connection, check_conn: Connection) -> None:
     """Entry point of a worker process: form the group once, then serve runs until told to stop."""
     os.environ.update(cfg.env)  # before torch is imported: OMP_NUM_THREADS, RANK, ...
+    read_fd = _redirect_output(cfg)
+    _watch(cfg)
+    device, checker = _form_group(cfg, check_conn)
+    conn.send(("ready", os.getpid()))
+    server = _Server(cfg, device, read_fd, checker)
+    heap = _Heap()
+    while True:
+        try:
+            blob = conn.recv_bytes()
+        except (EOFError, OSError):
+            break  # the parent is gone
+        if blob == _STOP:
+            break
+        reply = server.serve(blob)
+        # Before the reply, not after: the parent hands out the next run when every rank replied, so no
+        # rank starts it (and destroys the groups of this one) while another still collects.
+        heap.after_run()
+        try:
+            conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+        except (EOFError, OSError):
+            break
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    # No teardown of the group: the parent is stopping every rank at once, and a collective shutdown
+    # could wait for ranks that are already gone. The parent removes the store's directory.
+    os._exit(0)
+
+
+def _redirect_output(cfg: _WorkerConfig) -> int:
+    """This process's stdout and stderr, into the rank's log file (line-buffered); returns a reader of it."""
     log_fd = os.open(cfg.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -48,8 +79,12 @@ def _worker_main(cfg: _WorkerConfig, conn: Connection, check_conn: Connection) -
     for stream in (sys.stdout, sys.stderr):  # a hung rank's last prints must reach the file
         with contextlib.suppress(Exception):
             stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    read_fd = os.open(cfg.log_path, os.O_RDONLY)
+    return os.open(cfg.log_path, os.O_RDONLY)
 
+
+def _watch(cfg: _WorkerConfig) -> None:
+    """Stacks on SIGUSR1 (the parent asks for them at a timeout), exit when the parent is gone, a process
+    name, and Ctrl-C left to the parent."""
     import faulthandler
 
     stack_file = open(cfg.stack_path, "w")
@@ -62,6 +97,9 @@ def _worker_main(cfg: _WorkerConfig, conn: Connection, check_conn: Connection) -
     # Ctrl-C in a terminal reaches the whole process group; the parent handles it (and kills the pool).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
+
+def _form_group(cfg: _WorkerConfig, check_conn: Connection) -> tuple[Any, _Checker | None]:
+    """Import torch, form the world group (checked on gloo) and warm the backend; returns (device, checker)."""
     import datetime
 
     import torch
@@ -96,30 +134,7 @@ def _worker_main(cfg: _WorkerConfig, conn: Connection, check_conn: Connection) -
     # Imported once here rather than by the first run.
     import dstest.context  # noqa: F401
 
-    conn.send(("ready", os.getpid()))
-    server = _Server(cfg, device, read_fd, checker)
-    heap = _Heap()
-    while True:
-        try:
-            blob = conn.recv_bytes()
-        except (EOFError, OSError):
-            break  # the parent is gone
-        if blob == _STOP:
-            break
-        reply = server.serve(blob)
-        # Before the reply, not after: the parent hands out the next run when every rank replied, so no
-        # rank starts it (and destroys the groups of this one) while another still collects.
-        heap.after_run()
-        try:
-            conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
-        except (EOFError, OSError):
-            break
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    # No teardown of the group: the parent is stopping every rank at once, and a collective shutdown
-    # could wait for ranks that are already gone. The parent removes the store's directory.
-    os._exit(0)
+    return device, checker
 
 
 _REPLACE_AFTER_RUN: list[str] = []
