@@ -21,7 +21,7 @@ from dstest.errors import InvalidArgument, RankFailure, WorldTimeout
 from dstest.worlds import _collectives as C
 from dstest.worlds import _compat
 from dstest.worlds._backend import rank_process_group, register_backend
-from dstest.worlds._reports import format_exception
+from dstest.worlds._failures import format_exception
 from dstest.worlds._session import Done
 from dstest.worlds.request import RunRequest
 
@@ -115,7 +115,7 @@ class FakeWorld:
                             finally:
                                 RankContext.unbind(token)
                     except BaseException as exc:
-                        box["error"] = exc  # formatted on the caller's thread (see _reports)
+                        box["error"] = exc  # formatted on the caller's thread (see _failures)
 
                 thread = threading.Thread(target=rank_main, name=f"dstest-fake-rank{rank}", daemon=True)
                 thread.start()

@@ -433,7 +433,7 @@ class _Run:
 
     def _stop(self, thread: threading.Thread, why: str) -> _Outcome:
         """The run ended for this rank without its body finishing: a peer failed, or the timeout passed."""
-        from dstest.worlds._reports import stacks_of
+        from dstest.worlds._failures import stacks_of
 
         rank = self.launch.rank
         if why == "aborted":
@@ -461,7 +461,7 @@ class _Run:
 
     def _teardown(self, thread: threading.Thread) -> None:
         """Destroy the run's groups; a body still running is interrupted and its group abandoned."""
-        from dstest.worlds._reports import reap
+        from dstest.worlds._failures import reap
 
         if thread.is_alive():
             self._abort_group()

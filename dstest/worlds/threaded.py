@@ -2,7 +2,7 @@
 
 Every collective call is matched across ranks by (group, sequence number) in a :class:`Session`
 (``_session.py``); the groups are dstest's c10d backend (``_backend.py``); reports and stopping threads are
-in ``_reports.py``. This module holds what is the threaded world's own: the rank threads, warm crews that
+in ``_failures.py``. This module holds what is the threaded world's own: the rank threads, warm crews that
 keep them between runs, and the run loop:
 
 - a rank that raises aborts the world; ranks still running are interrupted at once (WorldAborted raised
@@ -39,7 +39,7 @@ from dstest.context import RankContext, current_context
 from dstest.errors import InvalidArgument, WorkAborted, WorldAborted
 from dstest.worlds import _compat
 from dstest.worlds._backend import BACKEND_NAME, binding, rank_process_group, register_backend, translate_group
-from dstest.worlds._reports import Outcome, interrupt, reap, stacks_of, stuck_threads, timeout_error
+from dstest.worlds._failures import Outcome, interrupt, reap, stacks_of, stuck_threads, timeout_error
 from dstest.worlds._session import Session
 from dstest.worlds.request import RunRequest
 

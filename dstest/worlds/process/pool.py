@@ -28,7 +28,7 @@ from dstest.errors import (
     WorldTimeout,
 )
 from dstest.resets import registered as registered_resets
-from dstest.worlds._reports import format_stacks
+from dstest.worlds._failures import format_stacks
 from dstest.worlds.process.launch import _free_port, _mp_context, _threads_per_rank
 from dstest.worlds.process.messages import _STOP, _Command, _FnRef, _PoolKey, _Reply, _unpickle_exception, _WorkerConfig
 from dstest.worlds.process.referee import _Referee
