@@ -469,7 +469,7 @@ def _world_hidden(set_dist_env: bool) -> Iterator[None]:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    from dstest.worlds._compat import new_rank_state
+    from dstest.worlds.torch_internals import new_rank_state
 
     registry: Any = torch._C._distributed_c10d
     saved = c10d._world

@@ -34,7 +34,8 @@ import torch
 
 from dstest.errors import CollectiveMismatch, InvalidArgument, UnfinishedWork, WorkAborted, WorldAborted
 from dstest.worlds import _collectives as C
-from dstest.worlds import _compat, _hazards, _trace
+from dstest.worlds import _hazards, _trace
+from dstest.worlds import torch_internals as _compat
 
 __all__ = ["Done", "Session", "Waitable"]
 

@@ -18,7 +18,7 @@ import torch
 from dstest.context import RankContext
 from dstest.errors import InvalidArgument, RankFailure, WorldTimeout
 from dstest.worlds import _collectives as C
-from dstest.worlds import _compat, _trace
+from dstest.worlds import _trace, torch_internals
 from dstest.worlds._backend import rank_process_group, register_backend
 from dstest.worlds._reports import format_exception
 from dstest.worlds._session import Done
@@ -33,7 +33,7 @@ class _FakeSession:
     def __init__(self, world_size: int, recorder: _trace.Recorder | None = None) -> None:
         self.world_size = world_size
         self.lock = threading.Lock()
-        self.store = _compat.hash_store()
+        self.store = torch_internals.hash_store()
         self.recorder = recorder if recorder is not None else _trace.Recorder(world_size, "fake")
 
     def arrive(self, group: Any, call: C.Call) -> Done:
@@ -115,7 +115,7 @@ class FakeWorld:
         recorder: _trace.Recorder,
     ) -> list[Any]:
         results: list[Any] = []
-        with _compat.thread_local_c10d_world() as c10d_world:
+        with torch_internals.thread_local_c10d_world() as c10d_world:
             for rank in ranks:
                 box: dict[str, Any] = {}
 
