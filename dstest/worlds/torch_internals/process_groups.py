@@ -1,6 +1,6 @@
 """What dstest's Python process groups need from torch: stores, work handles, futures, reduce ops, backends.
 
-These papers over torch behaviour a c10d backend written in Python meets whatever world hosts it (threads
+This papers over the torch behaviour a c10d backend written in Python meets whatever world hosts it (threads
 of one process, gloo processes): a future that fails in C++ too, the flight recorder's hook, the excepthook
 ``init_process_group`` stacks, reduce ops whose names and factors moved between versions.
 """
