@@ -21,6 +21,10 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dstest.report import Result
 
 from dstest.worlds.request import DEFAULT_TIMEOUT
 
@@ -147,9 +151,9 @@ def _run(args: Sequence[str], plugin: object) -> int:
     return int(pytest.main(list(args), plugins=[plugin]))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line's options (the names of targets and worlds known now are checked and listed)."""
     from dstest.registry import target_names, world_names
-    from dstest.report import ConformanceReport, summary, table, write_json, write_junit
 
     parser = argparse.ArgumentParser(prog="dstest", description=__doc__.splitlines()[0] if __doc__ else None)
     targets_known, worlds_known = target_names(), world_names()
@@ -186,42 +190,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         "-p", "--plugin", action="append", default=[], metavar="MODULE",
         help="load this pytest plugin module in the run (repeatable), e.g. one whose pytest_dstest_targets() adds a target",
     )  # fmt: skip
-    args = parser.parse_args(argv)
+    return parser
 
+
+def _run_target(target: str, args: argparse.Namespace) -> tuple[list[Result], int | None]:
+    """Run (or list) the specs on one target: ``(its results, None)`` to go on with the next target, or
+    ``([], exit code)`` when the command ends here (listed, nothing matched, the run stopped); raises
+    SystemExit(2) on pytest's usage error, which pytest explained."""
     import pytest
 
-    targets = list(dict.fromkeys(args.target or ["impl"]))
-    results = []
-    start = time.perf_counter()
-    for target in targets:
-        unknown = target not in target_names()  # may be a pytest hook's: the run checks it
-        # Without --world each target runs where it can: impl in threads, DeepSpeed (module-global process
-        # groups) in the process world.
-        worlds = list(dict.fromkeys(args.world or (["threaded"] if unknown else [_default_world(target)])))
-        report = ConformanceReport(target, progress=not args.list, listing=args.list)
-        code = _run(
-            pytest_args(
-                target, worlds, world_sizes=args.world_sizes, keyword=args.spec, timeout=args.timeout,
-                collect_only=args.list, plugins=args.plugin,
-            ),
-            report,
-        )  # fmt: skip
-        for error in report.errors:
-            print(f"dstest: {error}", file=sys.stderr)
-        if code == pytest.ExitCode.USAGE_ERROR:  # pytest printed why (an unknown target or world, ...)
-            raise SystemExit(2)
-        if code == pytest.ExitCode.NO_TESTS_COLLECTED or (code == pytest.ExitCode.OK and not report.cases):
-            print(f"dstest: no bundled spec matches {args.spec!r}", file=sys.stderr)
-            return 2
-        if code in (pytest.ExitCode.INTERNAL_ERROR, pytest.ExitCode.INTERRUPTED) or report.errors:
-            print(f"dstest: the run of target {target!r} stopped (pytest exit code {code})", file=sys.stderr)
-            return 3 if code == pytest.ExitCode.INTERNAL_ERROR else 1
-        if args.list:
-            for contract, label, sizes in report.listing:
-                print(f"{contract or '-':<6} {label}  ws={list(sizes)}")
-            return 0
-        results += report.results
-    seconds = time.perf_counter() - start
+    from dstest.registry import target_names
+    from dstest.report import ConformanceReport
+
+    unknown = target not in target_names()  # may be a pytest hook's: the run checks it
+    # Without --world each target runs where it can: impl in threads, DeepSpeed (module-global process
+    # groups) in the process world.
+    worlds = list(dict.fromkeys(args.world or (["threaded"] if unknown else [_default_world(target)])))
+    report = ConformanceReport(target, progress=not args.list, listing=args.list)
+    code = _run(
+        pytest_args(
+            target, worlds, world_sizes=args.world_sizes, keyword=args.spec, timeout=args.timeout,
+            collect_only=args.list, plugins=args.plugin,
+        ),
+        report,
+    )  # fmt: skip
+    for error in report.errors:
+        print(f"dstest: {error}", file=sys.stderr)
+    if code == pytest.ExitCode.USAGE_ERROR:  # pytest printed why (an unknown target or world, ...)
+        raise SystemExit(2)
+    if code == pytest.ExitCode.NO_TESTS_COLLECTED or (code == pytest.ExitCode.OK and not report.cases):
+        print(f"dstest: no bundled spec matches {args.spec!r}", file=sys.stderr)
+        return [], 2
+    if code in (pytest.ExitCode.INTERNAL_ERROR, pytest.ExitCode.INTERRUPTED) or report.errors:
+        print(f"dstest: the run of target {target!r} stopped (pytest exit code {code})", file=sys.stderr)
+        return [], 3 if code == pytest.ExitCode.INTERNAL_ERROR else 1
+    if args.list:
+        for contract, label, sizes in report.listing:
+            print(f"{contract or '-':<6} {label}  ws={list(sizes)}")
+        return [], 0
+    return list(report.results), None
+
+
+def _write_reports(results: list[Result], args: argparse.Namespace, argv: Sequence[str] | None, seconds: float) -> None:
+    """The table and summary on stdout, and the files asked for (--json, --junit, --html)."""
+    from dstest.report import summary, table, write_json, write_junit
+
     print(table(results))
     print(summary(results, seconds))
     if args.json:
@@ -233,6 +246,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         command = shlex.join(["dstest", *(sys.argv[1:] if argv is None else argv)])
         write_html(results, args.html, seconds=seconds, command=command, plugins=args.plugin)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    targets = list(dict.fromkeys(args.target or ["impl"]))
+    results: list[Result] = []
+    start = time.perf_counter()
+    for target in targets:
+        found, code = _run_target(target, args)
+        if code is not None:
+            return code
+        results += found
+    _write_reports(results, args, argv, time.perf_counter() - start)
     failed = any(r.status == "fail" for r in results)
     deviated = any(r.status == "deviation" for r in results)
     return 1 if failed or (args.fail_on_deviation and deviated) else 0

@@ -148,79 +148,116 @@ def execute(ctx: Any, program: Program) -> list[list[torch.Tensor] | None]:
             results.append(None)
             continue
         group = groups[op.ranks] if op.ranks is not None else None
-        me, n = ranks.index(rank), len(ranks)
+        me = ranks.index(rank)
         ins = [t.to(ctx.device) for t in op_inputs(program, step, me, rank)]
-        a = op.async_op
-        k = op.kind
-        out: list[torch.Tensor]
-        if k == "all_reduce":
-            _wait(dist.all_reduce(ins[0], op=_red(op), group=group, async_op=a))
-            out = ins
-        elif k == "broadcast":
-            _wait(dist.broadcast(ins[0], src=ranks[op.root], group=group, async_op=a))
-            out = ins
-        elif k == "reduce":
-            _wait(dist.reduce(ins[0], dst=ranks[op.root], op=_red(op), group=group, async_op=a))
-            out = ins if me == op.root else []
-        elif k in ("all_gather", "all_gather_uneven"):
-            sizes = [op.numel + (j if k == "all_gather_uneven" else 0) for j in range(n)]
-            out = [torch.empty(sz, dtype=op.torch_dtype, device=ctx.device) for sz in sizes]
-            _wait(dist.all_gather(out, ins[0], group=group, async_op=a))
-        elif k == "all_gather_into_tensor":
-            out = [torch.empty(n * op.numel, dtype=op.torch_dtype, device=ctx.device)]
-            _wait(dist.all_gather_into_tensor(out[0], ins[0], group=group, async_op=a))
-        elif k == "reduce_scatter":
-            out = [torch.empty(op.numel, dtype=op.torch_dtype, device=ctx.device)]
-            _wait(dist.reduce_scatter(out[0], ins, op=_red(op), group=group, async_op=a))
-        elif k == "reduce_scatter_tensor":
-            out = [torch.empty(op.numel, dtype=op.torch_dtype, device=ctx.device)]
-            _wait(dist.reduce_scatter_tensor(out[0], ins[0], op=_red(op), group=group, async_op=a))
-        elif k == "all_to_all":
-            out = [torch.empty(op.numel, dtype=op.torch_dtype, device=ctx.device) for _ in range(n)]
-            _wait(dist.all_to_all(out, ins, group=group, async_op=a))
-        elif k == "all_to_all_single":
-            recv = [op.splits[i][me] for i in range(n)]
-            out = [torch.empty(sum(recv), 2, dtype=op.torch_dtype, device=ctx.device)]
-            _wait(
-                dist.all_to_all_single(
-                    out[0], ins[0], output_split_sizes=recv, input_split_sizes=list(op.splits[me]),
-                    group=group, async_op=a,
-                )
-            )
-        elif k == "gather":
-            out = [torch.empty(op.numel, dtype=op.torch_dtype, device=ctx.device) for _ in range(n)] if me == op.root else []
-            _wait(dist.gather(ins[0], gather_list=out if me == op.root else None, dst=ranks[op.root], group=group, async_op=a))
-        elif k == "scatter":
-            out = [torch.empty(op.numel, dtype=op.torch_dtype, device=ctx.device)]
-            _wait(dist.scatter(out[0], scatter_list=ins if me == op.root else None, src=ranks[op.root], group=group, async_op=a))
-        elif k == "send_recv":
-            out = []
-            if me == op.root:
-                _wait(dist.isend(ins[0], dst=ranks[op.peer], group=group) if a else dist.send(ins[0], dst=ranks[op.peer], group=group))
-            elif me == op.peer:
-                buf = torch.empty(op.numel, dtype=op.torch_dtype, device=ctx.device)
-                if a:
-                    _wait(dist.irecv(buf, src=ranks[op.root], group=group))
-                else:
-                    dist.recv(buf, src=ranks[op.root], group=group)  # returns the sender's rank
-                out = [buf]
-        elif k == "batch_isend_irecv":
-            # A ring: every rank sends to the next and receives from the previous, all posted at once.
-            buf = torch.empty(op.numel, dtype=op.torch_dtype, device=ctx.device)
-            p2p = [
-                dist.P2POp(dist.isend, ins[0], ranks[(me + 1) % n], group),
-                dist.P2POp(dist.irecv, buf, ranks[(me - 1) % n], group),
-            ]
-            for work in dist.batch_isend_irecv(p2p) if n > 1 else []:
-                work.wait()
-            out = [buf] if n > 1 else []
-        elif k == "barrier":
-            _wait(dist.barrier(group=group, async_op=a))
-            out = []
-        else:  # pragma: no cover - Program validates kinds
-            raise AssertionError(k)
+        if op.kind in _EXCHANGES:
+            out = _run_exchange(ctx, op, ins, group, ranks, me)
+        elif op.kind in _POINT_TO_POINT:
+            out = _run_point_to_point(ctx, op, ins, group, ranks, me)
+        else:
+            out = _run_collective(ctx, op, ins, group, ranks, me)
         results.append([t.cpu().clone() for t in out])
     return results
+
+
+#: The kinds :func:`_run_exchange` and :func:`_run_point_to_point` run; :func:`_run_collective` runs the rest.
+_EXCHANGES = frozenset({"all_to_all", "all_to_all_single", "gather", "scatter"})
+_POINT_TO_POINT = frozenset({"send_recv", "batch_isend_irecv"})
+
+
+def _run_collective(
+    ctx: Any, op: Op, ins: list[torch.Tensor], group: Any, ranks: tuple[int, ...], me: int
+) -> list[torch.Tensor]:
+    """One reduction, broadcast, gather to all, reduce-scatter or barrier on this rank (index ``me`` of
+    ``ranks``, the op's group); what this rank ends up with."""
+    n, a, k = len(ranks), op.async_op, op.kind
+    out: list[torch.Tensor]
+    if k == "all_reduce":
+        _wait(dist.all_reduce(ins[0], op=_red(op), group=group, async_op=a))
+        out = ins
+    elif k == "broadcast":
+        _wait(dist.broadcast(ins[0], src=ranks[op.root], group=group, async_op=a))
+        out = ins
+    elif k == "reduce":
+        _wait(dist.reduce(ins[0], dst=ranks[op.root], op=_red(op), group=group, async_op=a))
+        out = ins if me == op.root else []
+    elif k in ("all_gather", "all_gather_uneven"):
+        sizes = [op.numel + (j if k == "all_gather_uneven" else 0) for j in range(n)]
+        out = [torch.empty(sz, dtype=op.torch_dtype, device=ctx.device) for sz in sizes]
+        _wait(dist.all_gather(out, ins[0], group=group, async_op=a))
+    elif k == "all_gather_into_tensor":
+        out = [torch.empty(n * op.numel, dtype=op.torch_dtype, device=ctx.device)]
+        _wait(dist.all_gather_into_tensor(out[0], ins[0], group=group, async_op=a))
+    elif k == "reduce_scatter":
+        out = [torch.empty(op.numel, dtype=op.torch_dtype, device=ctx.device)]
+        _wait(dist.reduce_scatter(out[0], ins, op=_red(op), group=group, async_op=a))
+    elif k == "reduce_scatter_tensor":
+        out = [torch.empty(op.numel, dtype=op.torch_dtype, device=ctx.device)]
+        _wait(dist.reduce_scatter_tensor(out[0], ins[0], op=_red(op), group=group, async_op=a))
+    elif k == "barrier":
+        _wait(dist.barrier(group=group, async_op=a))
+        out = []
+    else:  # pragma: no cover - Program validates kinds
+        raise AssertionError(k)
+    return out
+
+
+def _run_exchange(
+    ctx: Any, op: Op, ins: list[torch.Tensor], group: Any, ranks: tuple[int, ...], me: int
+) -> list[torch.Tensor]:
+    """One all-to-all, gather or scatter on this rank (index ``me`` of ``ranks``); what it ends up with."""
+    n, a, k = len(ranks), op.async_op, op.kind
+    out: list[torch.Tensor]
+    if k == "all_to_all":
+        out = [torch.empty(op.numel, dtype=op.torch_dtype, device=ctx.device) for _ in range(n)]
+        _wait(dist.all_to_all(out, ins, group=group, async_op=a))
+    elif k == "all_to_all_single":
+        recv = [op.splits[i][me] for i in range(n)]
+        out = [torch.empty(sum(recv), 2, dtype=op.torch_dtype, device=ctx.device)]
+        _wait(
+            dist.all_to_all_single(
+                out[0], ins[0], output_split_sizes=recv, input_split_sizes=list(op.splits[me]),
+                group=group, async_op=a,
+            )
+        )
+    elif k == "gather":
+        out = [torch.empty(op.numel, dtype=op.torch_dtype, device=ctx.device) for _ in range(n)] if me == op.root else []
+        _wait(dist.gather(ins[0], gather_list=out if me == op.root else None, dst=ranks[op.root], group=group, async_op=a))
+    elif k == "scatter":
+        out = [torch.empty(op.numel, dtype=op.torch_dtype, device=ctx.device)]
+        _wait(dist.scatter(out[0], scatter_list=ins if me == op.root else None, src=ranks[op.root], group=group, async_op=a))
+    else:  # pragma: no cover - execute dispatches only these kinds here
+        raise AssertionError(k)
+    return out
+
+
+def _run_point_to_point(
+    ctx: Any, op: Op, ins: list[torch.Tensor], group: Any, ranks: tuple[int, ...], me: int
+) -> list[torch.Tensor]:
+    """One send/recv pair or one ring of batched isend/irecv on this rank (index ``me`` of ``ranks``);
+    what it ends up with (a receiver its buffer, a sender nothing)."""
+    n, a = len(ranks), op.async_op
+    if op.kind == "send_recv":
+        out: list[torch.Tensor] = []
+        if me == op.root:
+            _wait(dist.isend(ins[0], dst=ranks[op.peer], group=group) if a else dist.send(ins[0], dst=ranks[op.peer], group=group))
+        elif me == op.peer:
+            buf = torch.empty(op.numel, dtype=op.torch_dtype, device=ctx.device)
+            if a:
+                _wait(dist.irecv(buf, src=ranks[op.root], group=group))
+            else:
+                dist.recv(buf, src=ranks[op.root], group=group)  # returns the sender's rank
+            out = [buf]
+        return out
+    # batch_isend_irecv: a ring, every rank sends to the next and receives from the previous, all posted at once.
+    buf = torch.empty(op.numel, dtype=op.torch_dtype, device=ctx.device)
+    p2p = [
+        dist.P2POp(dist.isend, ins[0], ranks[(me + 1) % n], group),
+        dist.P2POp(dist.irecv, buf, ranks[(me - 1) % n], group),
+    ]
+    for work in dist.batch_isend_irecv(p2p) if n > 1 else []:
+        work.wait()
+    return [buf] if n > 1 else []
 
 
 def _reduce(op: str, ts: list[torch.Tensor]) -> torch.Tensor:

@@ -330,46 +330,59 @@ def spec(
             async_hazards=async_hazards,
             strict_shapes=strict_shapes,
         )
-
-        if method:
-
-            def wrapper(self: Any, /, **kwargs: Any) -> None:
-                case = kwargs.pop(CASE_ARG)
-                settings = kwargs.pop(SETTINGS_ARG)
-                run_spec(info, case, settings, kwargs, instance=self)
-
-        else:
-
-            def wrapper(*args: Any, **kwargs: Any) -> None:  # type: ignore[misc]
-                if args:
-                    raise InvalidSpec(
-                        f"spec {fn.__qualname__} was called with positional arguments {args!r}; a spec in a test "
-                        "class must take self first, then the rank context: def "
-                        f"{fn.__name__}(self, ctx, ...)"
-                    )
-                case = kwargs.pop(CASE_ARG)
-                settings = kwargs.pop(SETTINGS_ARG)
-                run_spec(info, case, settings, kwargs)
-
-        # A real pytest function whose arguments are the case, the settings and the body's own
-        # parameters after ctx (parametrize names and fixtures). No __wrapped__: pytest must not see
-        # through to the body, whose first argument is not a fixture.
-        hidden = [
-            inspect.Parameter(CASE_ARG, inspect.Parameter.KEYWORD_ONLY),
-            inspect.Parameter(SETTINGS_ARG, inspect.Parameter.KEYWORD_ONLY),
-        ]
-        # self as an ordinary parameter: pytest drops the first name of a method's signature.
-        first = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] if method else []
-        keyword = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in rest]
-        wrapper.__signature__ = inspect.Signature(first + hidden + keyword)  # type: ignore[attr-defined]
-        for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
-            setattr(wrapper, attr, getattr(fn, attr))
-        wrapper.__dict__.update(fn.__dict__)  # keeps pytest marks applied below the decorator
-        wrapper.__dstest_spec__ = info  # type: ignore[attr-defined]
-        setattr(wrapper, RANK_FN_ATTR, info.fn)  # what worlds call when they find the spec by reference
-        return wrapper
+        return _as_pytest_function(_spec_wrapper(fn, info, method), fn, info, method, rest)
 
     return decorate
+
+
+def _spec_wrapper(fn: Callable[..., Any], info: SpecInfo, method: bool) -> Callable[..., Any]:
+    """What pytest calls for the spec ``fn``: it takes the case and settings dstest's plugin passes (and,
+    for a method of a test class, the instance pytest made) and runs the spec on them."""
+    if method:
+
+        def wrapper(self: Any, /, **kwargs: Any) -> None:
+            case = kwargs.pop(CASE_ARG)
+            settings = kwargs.pop(SETTINGS_ARG)
+            run_spec(info, case, settings, kwargs, instance=self)
+
+    else:
+
+        def wrapper(*args: Any, **kwargs: Any) -> None:  # type: ignore[misc]
+            if args:
+                raise InvalidSpec(
+                    f"spec {fn.__qualname__} was called with positional arguments {args!r}; a spec in a test "
+                    "class must take self first, then the rank context: def "
+                    f"{fn.__name__}(self, ctx, ...)"
+                )
+            case = kwargs.pop(CASE_ARG)
+            settings = kwargs.pop(SETTINGS_ARG)
+            run_spec(info, case, settings, kwargs)
+
+    return wrapper
+
+
+def _as_pytest_function(
+    wrapper: Callable[..., Any], fn: Callable[..., Any], info: SpecInfo, method: bool, rest: list[inspect.Parameter]
+) -> Callable[..., Any]:
+    """``wrapper`` dressed as the body ``fn`` for pytest (name, module, docstring, marks) and marked as the
+    spec ``info``."""
+    # A real pytest function whose arguments are the case, the settings and the body's own
+    # parameters after ctx (parametrize names and fixtures). No __wrapped__: pytest must not see
+    # through to the body, whose first argument is not a fixture.
+    hidden = [
+        inspect.Parameter(CASE_ARG, inspect.Parameter.KEYWORD_ONLY),
+        inspect.Parameter(SETTINGS_ARG, inspect.Parameter.KEYWORD_ONLY),
+    ]
+    # self as an ordinary parameter: pytest drops the first name of a method's signature.
+    first = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] if method else []
+    keyword = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in rest]
+    wrapper.__signature__ = inspect.Signature(first + hidden + keyword)  # type: ignore[attr-defined]
+    for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+        setattr(wrapper, attr, getattr(fn, attr))
+    wrapper.__dict__.update(fn.__dict__)  # keeps pytest marks applied below the decorator
+    wrapper.__dstest_spec__ = info  # type: ignore[attr-defined]
+    setattr(wrapper, RANK_FN_ATTR, info.fn)  # what worlds call when they find the spec by reference
+    return wrapper
 
 
 def _signature_names(fn: Callable[..., Any]) -> list[str]:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import dstest
 from dstest.errors import InvalidArgument, InvalidSpec, RankFailure
-from dstest.worlds import _compat
+from dstest.worlds import torch_internals
 from dstest.worlds.fake import FakeWorld
 from dstest.worlds.request import RunRequest
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.cpu
 
 def _has_list_all_to_all(world: str) -> bool:
     """torch 2.11's gloo has no list all_to_all: the process world leaves it out there."""
-    return world != "process" or _compat.gloo_has_list_all_to_all()
+    return world != "process" or torch_internals.gloo_has_list_all_to_all()
 
 
 def _every_collective(ctx: Any) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""One test per torch behaviour that dstest/worlds/_compat.py (and the group's version hooks) paper over.
+"""One test per torch behaviour that dstest/worlds/torch_internals/ (and the group's version hooks) paper over.
 
 The tox matrix (torch 2.11-2.14) runs these against every version.
 """
@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from dstest.worlds import _compat
+from dstest.worlds import torch_internals
 from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld
+from dstest.worlds.torch_internals import c10d_world, installed
 
 pytestmark = pytest.mark.cpu
 
@@ -52,7 +53,7 @@ def test_backward_runs_on_the_rank_thread():
 
 def test_every_reduce_op_has_a_name():
     names = {
-        _compat.reduce_op_name(getattr(dist.ReduceOp, op))
+        torch_internals.reduce_op_name(getattr(dist.ReduceOp, op))
         for op in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
     }
     assert names == {"sum", "avg", "product", "min", "max", "band", "bor", "bxor"}
@@ -94,7 +95,7 @@ def test_thread_local_world_is_removed_when_the_last_world_ends():
     from dstest.worlds.threaded import shutdown_all
 
     shutdown_all()  # warm crews of earlier tests hold the thread-local world
-    assert _compat._INSTALL.users == 0
+    assert installed.INSTALL.users == 0
     original = c10d._world
     ThreadedWorld().run(RunRequest(lambda ctx: None, 2))
     assert c10d._world is original
@@ -220,22 +221,22 @@ def test_no_field_of_torchs_world_object_is_shared_between_rank_threads():
     """Every public field of the running torch's ``distributed_c10d._World`` is per rank thread (torch 2.15
     added ``pg_flight_recorder_hooks``; the next release may add another). The message names the field
     (contract E15)."""
-    problems = _compat.unisolated_world_fields()
+    problems = torch_internals.unisolated_world_fields()
     assert not problems, "torch's c10d world has state dstest does not isolate:\n" + "\n".join(problems)
 
 
 def test_the_isolation_check_names_a_field_that_is_shared(monkeypatch):
     """The check above can fail: with the override of ``pg_map`` left out, both ranks' tables are torch's
     module global, and the check names ``pg_map``."""
-    fields = dict(_compat.global_backed_fields())
+    fields = dict(torch_internals.global_backed_fields())
     del fields["pg_map"]
-    monkeypatch.setattr(_compat, "global_backed_fields", lambda: fields)
-    _compat._per_thread_world_class.cache_clear()
+    monkeypatch.setattr(c10d_world, "global_backed_fields", lambda: fields)
+    c10d_world._per_thread_world_class.cache_clear()
     try:
-        problems = _compat.unisolated_world_fields()
+        problems = torch_internals.unisolated_world_fields()
     finally:
         monkeypatch.undo()
-        _compat._per_thread_world_class.cache_clear()
+        c10d_world._per_thread_world_class.cache_clear()
     assert len(problems) == 1 and "_World.pg_map is one dict shared by every rank thread" in problems[0]
     assert torch.__version__ in problems[0]
 

@@ -314,14 +314,14 @@ def test_ddp_rank_one_step_ahead_is_a_rank_failure_three_times_in_a_row(world, b
 def test_a_failed_work_future_is_failed_for_cpp_consumers_too():
     """What DDP's reducer reads: a work whose collective failed hands out a future that is failed in C++
     (``wait`` raises), not one completed with the exception as its value."""
-    from dstest.worlds import _compat
+    from dstest.worlds import torch_internals
 
-    source, handed_out = _compat.linked_future()
+    source, handed_out = torch_internals.linked_future()
     source.set_exception(PlantedError("the peer finished"))
     assert handed_out.done()
     with pytest.raises(RuntimeError, match="PlantedError: the peer finished"):
         handed_out.wait()
-    source, handed_out = _compat.linked_future()
+    source, handed_out = torch_internals.linked_future()
     source.set_result([torch.ones(2)])
     assert torch.equal(handed_out.wait()[0], torch.ones(2))
 

@@ -16,9 +16,9 @@ from torch.distributed import distributed_c10d as c10d
 from dstest import strategies as dst
 from dstest.errors import CollectiveMismatch, InvalidArgument, RankFailure, WorldTimeout
 from dstest.programs import KINDS, Program, execute
-from dstest.worlds import _compat
 from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld
+from dstest.worlds.torch_internals import installed
 
 pytestmark = pytest.mark.cpu
 WORLD = ThreadedWorld(grace=0.2)
@@ -82,7 +82,7 @@ def test_200_failing_worlds_leak_nothing():
     """E3/E4: 200 failing worlds in a row (5 fault kinds, then hangs): no thread, group or switch left."""
     original = c10d._world
     hook = sys.excepthook
-    installs = _compat._INSTALL.users  # warm crews of other tests may hold the thread-local world
+    installs = installed.INSTALL.users  # warm crews of other tests may hold the thread-local world
     outcomes: dict[str, int] = {}
     for i in range(200):
         kind = FAULTS[i % len(FAULTS)]
@@ -95,7 +95,7 @@ def test_200_failing_worlds_leak_nothing():
     assert sum(outcomes.values()) == 200
     assert [t.name for t in threading.enumerate() if t.name.startswith(("dstest-rank", "dstest-fake"))] == []
     assert c10d._world is original and sys.excepthook is hook
-    assert _compat._INSTALL.users == installs
+    assert installed.INSTALL.users == installs
     assert not dist.is_initialized()
 
 

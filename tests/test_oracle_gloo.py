@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from dstest import get_world
 from dstest import strategies as dst
 from dstest.programs import GLOO_KINDS, Program, execute
-from dstest.worlds import _compat
+from dstest.worlds import torch_internals
 from dstest.worlds.request import RunRequest
 
 pytestmark = pytest.mark.cpu
@@ -26,7 +26,7 @@ THREADED = get_world("threaded")
 GLOO = get_world("process")
 # torch 2.11's gloo has no list all_to_all ("Backend gloo does not support alltoall"; all_to_all_single
 # works); 2.12 added it. There the threaded all_to_all is checked against the reference only.
-KINDS = sorted(GLOO_KINDS if _compat.gloo_has_list_all_to_all() else GLOO_KINDS - {"all_to_all"})
+KINDS = sorted(GLOO_KINDS if torch_internals.gloo_has_list_all_to_all() else GLOO_KINDS - {"all_to_all"})
 
 
 def _gloo_safe(program: Program) -> Program:

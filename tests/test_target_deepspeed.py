@@ -1,4 +1,4 @@
-"""The DeepSpeed target (dstest/targets/deepspeed.py).
+"""The DeepSpeed target (dstest/targets/deepspeed.py and its _deepspeed_*.py modules).
 
 DeepSpeed is an optional extra that CI does not install: the first tests need no DeepSpeed at all, the
 next ones skip without it (``pytest.importorskip``) and stay cheap with it (no engine, no process group),
@@ -23,15 +23,13 @@ import dstest
 from dstest.conformance import SpecNet, build, config
 from dstest.errors import Deviation, DstestError
 from dstest.targets import TARGET_NAMES, Target, get_target
+from dstest.targets._deepspeed_errors import crash_is_deviation
+from dstest.targets._deepspeed_setup import Mpu, make_parameters_contiguous, translate
 from dstest.targets.deepspeed import (
     STRICT_ENV,
     DeepSpeedAdapterError,
     DeepSpeedDeviation,
     DeepSpeedUnavailable,
-    _crash_is_deviation,
-    _make_parameters_contiguous,
-    _Mpu,
-    _translate,
 )
 
 pytestmark = pytest.mark.cpu
@@ -82,7 +80,7 @@ DS_FILE = "/site-packages/deepspeed/sequence/cross_entropy.py"
 
 def test_crash_inside_deepspeed_is_a_deviation() -> None:
     with pytest.raises(DeepSpeedDeviation) as err:
-        with _crash_is_deviation("A6", "the loss"):
+        with crash_is_deviation("A6", "the loss"):
             _raise_in(DS_FILE, RuntimeError("Trying to create tensor with negative dimension -3"))
     dev = err.value
     assert dev.contract == "A6" and dev.got == "RuntimeError: Trying to create tensor with negative dimension -3"
@@ -100,7 +98,7 @@ def test_crash_inside_deepspeed_is_a_deviation() -> None:
 )
 def test_other_errors_pass_through(filename: str, exc: Exception) -> None:
     with pytest.raises(type(exc)) as err:
-        with _crash_is_deviation("A6", "the loss"):
+        with crash_is_deviation("A6", "the loss"):
             _raise_in(filename, exc)
     assert err.value is exc
 
@@ -108,13 +106,13 @@ def test_other_errors_pass_through(filename: str, exc: Exception) -> None:
 def test_translation_of_the_specs_config(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(STRICT_ENV, raising=False)
     cfg = config(1, "sum", sparse_gradients=True)
-    out = _translate(cfg)
+    out = translate(cfg)
     assert out["gradient_clipping"] == 0.0, "the specs' missing clipping means off (DeepSpeed's default is 1.0)"
     assert "sparse_gradients" not in out, "DeepSpeed 0.19.8 rejects the removed key"
     assert "sparse_gradients" in cfg and "gradient_clipping" not in cfg, "the caller's dict is not changed"
-    assert _translate(config(1, gradient_clipping=0.5))["gradient_clipping"] == 0.5
+    assert translate(config(1, gradient_clipping=0.5))["gradient_clipping"] == 0.5
     monkeypatch.setenv(STRICT_ENV, "1")
-    assert _translate(cfg) == cfg
+    assert translate(cfg) == cfg
 
 
 def test_non_contiguous_parameters_made_contiguous(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,16 +121,16 @@ def test_non_contiguous_parameters_made_contiguous(monkeypatch: pytest.MonkeyPat
     w1 = dict(model.named_parameters())["w1"]
     before = w1.detach().clone()
     assert not w1.is_contiguous()
-    _make_parameters_contiguous(model)
+    make_parameters_contiguous(model)
     assert w1.is_contiguous() and torch.equal(w1.detach(), before), "same Parameter, same values"
     monkeypatch.setenv(STRICT_ENV, "1")
     strict = build(SpecNet)
-    _make_parameters_contiguous(strict)
+    make_parameters_contiguous(strict)
     assert not dict(strict.named_parameters())["w1"].is_contiguous()
 
 
 def test_mpu_for_absent_groups() -> None:
-    mpu = _Mpu(dp_group=torch.distributed.group.WORLD, mp_group=None)
+    mpu = Mpu(dp_group=torch.distributed.group.WORLD, mp_group=None)
     assert mpu.get_model_parallel_group() is None
     assert mpu.get_model_parallel_world_size() == 1 and mpu.get_model_parallel_rank() == 0
     assert mpu.get_pipeline_model_parallel_world_size() == 1
@@ -210,7 +208,7 @@ def test_config_errors_are_not_crashes(deepspeed: types.ModuleType) -> None:
 
     exc = DeepSpeedConfigError("a removed key")
     with pytest.raises(DeepSpeedConfigError):
-        with _crash_is_deviation("B7", "a config error"):
+        with crash_is_deviation("B7", "a config error"):
             _raise_in(DS_FILE, exc)
     assert isinstance(exc, get_target("deepspeed").config_errors)
 
@@ -220,7 +218,7 @@ def test_collective_counter_counts_outermost_calls(
 ) -> None:
     from deepspeed.comm import comm as ds_comm
 
-    from dstest.targets.deepspeed import _CollectiveCounter
+    from dstest.targets._deepspeed_engine import CollectiveCounter
 
     class FakeBackend:
         def all_reduce(self, tensor: Any, group: Any = None) -> None:
@@ -236,7 +234,7 @@ def test_collective_counter_counts_outermost_calls(
     preset = lambda *a, **k: None  # noqa: E731 - an instance attribute someone else installed
     cdb.barrier = preset  # type: ignore[attr-defined]
     monkeypatch.setattr(ds_comm, "cdb", cdb)
-    counter = _CollectiveCounter()
+    counter = CollectiveCounter()
     with counter.counting():
         cdb.all_reduce(None)
         cdb.all_reduce(None)

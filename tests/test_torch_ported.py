@@ -20,7 +20,7 @@ import torch.nn as nn
 
 import dstest
 from dstest.errors import RankFailure
-from dstest.worlds import _compat
+from dstest.worlds import torch_internals
 from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld
 
@@ -33,7 +33,7 @@ WORLDS = ["threaded", "process"]
 @dstest.spec(world_size=[2, 3, 4], worlds=WORLDS, contract="E6")
 def test_all_to_all_list(ctx):
     """Rank r sends block r*W + j to rank j; rank r receives blocks j*W + r, for j in order."""
-    if ctx.world == "process" and not _compat.gloo_has_list_all_to_all():
+    if ctx.world == "process" and not torch_internals.gloo_has_list_all_to_all():
         pytest.skip("torch 2.11's gloo has no list all_to_all (added in 2.12)")
     w, r = ctx.world_size, ctx.rank
     send = [torch.full((2, 3), float(r * w + j)) for j in range(w)]

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from dstest.errors import InvalidArgument
 from dstest.worlds import _collectives as C
-from dstest.worlds import _compat
+from dstest.worlds import torch_internals as _compat
 from dstest.worlds._session import Done, P2PWait, Waitable
 
 __all__ = [

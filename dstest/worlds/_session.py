@@ -35,7 +35,8 @@ import torch
 import dstest.trace as _trace
 from dstest.errors import CollectiveMismatch, InvalidArgument, UnfinishedWork, WorkAborted, WorldAborted
 from dstest.worlds import _collectives as C
-from dstest.worlds import _compat, _hazards
+from dstest.worlds import _hazards
+from dstest.worlds import torch_internals as _compat
 
 __all__ = ["Done", "Session", "Waitable"]
 

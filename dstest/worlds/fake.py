@@ -19,7 +19,7 @@ import dstest.trace as _trace
 from dstest.context import RankContext
 from dstest.errors import InvalidArgument, RankFailure, WorldTimeout
 from dstest.worlds import _collectives as C
-from dstest.worlds import _compat
+from dstest.worlds import torch_internals
 from dstest.worlds._backend import rank_process_group, register_backend
 from dstest.worlds._failures import format_exception
 from dstest.worlds._session import Done
@@ -34,7 +34,7 @@ class _FakeSession:
     def __init__(self, world_size: int, recorder: _trace.Recorder | None = None) -> None:
         self.world_size = world_size
         self.lock = threading.Lock()
-        self.store = _compat.hash_store()
+        self.store = torch_internals.hash_store()
         self.recorder = recorder if recorder is not None else _trace.Recorder(world_size, "fake")
 
     def arrive(self, group: Any, call: C.Call) -> Done:
@@ -98,7 +98,7 @@ class FakeWorld:
     def _run(self, request: RunRequest, ranks: Sequence[int], recorder: _trace.Recorder) -> list[Any]:
         world_size, timeout, seed = request.world_size, request.timeout, request.seed
         results: list[Any] = []
-        with _compat.thread_local_c10d_world() as c10d_world:
+        with torch_internals.thread_local_c10d_world() as c10d_world:
             for rank in ranks:
                 box: dict[str, Any] = {}
 

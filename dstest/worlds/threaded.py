@@ -37,7 +37,7 @@ import torch.distributed as dist
 import dstest.trace as _trace
 from dstest.context import RankContext, current_context
 from dstest.errors import InvalidArgument, WorkAborted, WorldAborted
-from dstest.worlds import _compat
+from dstest.worlds import torch_internals as _compat
 from dstest.worlds._backend import BACKEND_NAME, binding, rank_process_group, register_backend, translate_group
 from dstest.worlds._failures import Outcome, interrupt, reap, stacks_of, stuck_threads, timeout_error
 from dstest.worlds._session import Session

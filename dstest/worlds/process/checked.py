@@ -75,7 +75,7 @@ def _make_checked_group_class() -> type:
     from torch._C import _distributed_c10d as c10d_c
 
     from dstest.worlds import _collectives as C
-    from dstest.worlds import _compat
+    from dstest.worlds import torch_internals as _compat
 
     class CheckedWork(dist._Work):  # type: ignore[misc, name-defined]
         """The handle of a checked call: waits for the verdict, then for the gloo work issued on it."""

@@ -205,7 +205,7 @@ class _Server:
     """One worker's state across runs: resolved functions, the world group's store, the log offsets."""
 
     def __init__(self, cfg: _WorkerConfig, device: Any, read_fd: int, checker: _Checker | None) -> None:
-        from dstest.worlds._compat import FreshRunState
+        from dstest.worlds.torch_internals import FreshRunState
 
         self.cfg = cfg
         self.checker = checker

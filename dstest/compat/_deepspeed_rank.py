@@ -1,0 +1,167 @@
+"""One rank of a DeepSpeed test, in a warm worker of the process world (:mod:`dstest.compat.deepspeed`).
+
+:func:`rank_main` is the process world's rank function for every warm launch: it imports the test's module
+as pytest did, unpickles the test instance and calls the harness's own per-rank entry point
+(``DistributedExec._dist_run``), after making the worker look like a fresh process of the harness's pool
+(torch's RNG, py-cpuinfo's answer kept, and for a test that forms its own world, the worker's world hidden).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import pickle
+import random
+import sys
+import traceback
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dstest.worlds.process.byref import ModuleRef
+
+__all__ = ["RANK_ENTRY", "rank_main"]
+
+RANK_ENTRY = "_dist_run"  # DistributedExec._dist_run(self, local_rank, num_procs, master_port, init_method, skip_msg)
+
+
+class _SkipBox:
+    """Stands in for the harness's skip queue (``skip_msg.put``) of non-daemonic launches."""
+
+    def __init__(self) -> None:
+        self.message = ""
+
+    def put(self, message: str) -> None:
+        self.message = message
+
+
+def _fresh_process_rng() -> None:
+    """torch's global RNG as a new process has it (the harness's ranks all start from that seed); Python's
+    and numpy's from fresh entropy, as a new process seeds them."""
+    import torch
+
+    torch.manual_seed(torch.Generator().initial_seed())
+    random.seed()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()
+
+
+def _remember_cpu_info() -> None:
+    """``cpuinfo.get_cpu_info()`` answered from memory after its first call in this worker.
+
+    DeepSpeed asks py-cpuinfo about the CPU each time it builds a CPU optimizer or checks an op (every
+    ``DeepSpeedCPUAdam``, on every rank), and each call starts a Python subprocess that probes the CPU: about
+    1.5 s on this 2-core machine, the largest part of an offload test's time on warm workers. The answer is
+    the same for every process on the machine, so a worker asks once and hands out copies; a test that
+    patches ``cpuinfo.get_cpu_info`` replaces the memo for as long as its patch lasts.
+    """
+    try:
+        import cpuinfo
+    except ImportError:
+        return
+    ask = cpuinfo.get_cpu_info
+    if getattr(ask, "_dstest_remembers", False):
+        return
+    answers: list[dict[str, Any]] = []
+
+    def get_cpu_info() -> dict[str, Any]:
+        if not answers:
+            answers.append(ask())
+        return copy.deepcopy(answers[0])
+
+    get_cpu_info._dstest_remembers = True  # type: ignore[attr-defined]
+    get_cpu_info.__wrapped__ = ask  # type: ignore[attr-defined]
+    cpuinfo.get_cpu_info = get_cpu_info
+
+
+def _skip_location(exc: BaseException) -> tuple[str, int] | None:
+    """Where the test called pytest.skip: the innermost frame outside pytest."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f"{os.sep}_pytest{os.sep}" not in f.filename]
+    if not frames:
+        return None
+    frame = frames[-1]
+    return frame.filename, int(frame.lineno or 0)
+
+
+#: What a launched rank's environment names about its world; a ``set_dist_env = False`` test sees none.
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def _world_hidden(set_dist_env: bool) -> Iterator[None]:
+    """For a test that forms its own world: this worker's gloo world out of sight for the block.
+
+    torch-internal: ``distributed_c10d._world`` is swapped for a world state of its own (uninitialised,
+    group names counted from 0; torch's ``_World`` keeps its tables in module globals, so a second
+    ``_World()`` would share them) and the worker's default group is taken out of torch's by-name registry,
+    so the test's ``init_process_group`` registers its own. Afterwards everything the test formed is destroyed and
+    the worker's world, its registration and its global rank are put back.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from dstest.worlds.torch_internals import new_rank_state
+
+    registry: Any = torch._C._distributed_c10d
+    saved = c10d._world
+    default = c10d._get_default_group()
+    name = default.group_name
+    registry._unregister_process_group(name)
+    c10d._world = new_rank_state()
+    c10d._update_default_pg(None)
+    if not set_dist_env:
+        for key in _DIST_ENV:  # put back by dstest's reset of the environment before the next run
+            os.environ.pop(key, None)
+    try:
+        yield
+    finally:
+        from dstest.worlds.process.byref import replace_after_this_run
+
+        # Destroying the test's groups does not close its TCPStore while DeepSpeed's objects still refer to
+        # it: its port (DeepSpeed's default, 29500, when the test sees no MASTER_PORT) would stay taken,
+        # and the next test that binds that port fails. A fresh process for the next test, as the harness
+        # gives every test.
+        replace_after_this_run("the test formed a world of its own")
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            c10d._world = saved
+            c10d._update_default_pg(default)
+            registry._register_process_group(name, default)
+
+
+def rank_main(ctx: Any, payload: bytes, ref: ModuleRef, path: list[str], port: int, hide: bool = False) -> Any:
+    """One rank of a warm launch: ``(skip message, where the test skipped)``, the message empty unless the
+    test skipped. ``payload`` is the pickled test instance, ``ref`` its module, ``path`` the pytest
+    process's ``sys.path``, ``port`` the ``MASTER_PORT`` the harness's environment gets, ``hide`` whether
+    the test forms its own world."""
+    from _pytest.outcomes import Skipped
+
+    from dstest.worlds.process.byref import import_module_ref
+
+    known = set(path)
+    sys.path[:] = [*path, *(p for p in sys.path if p not in known)]
+    _remember_cpu_info()
+    import_module_ref(ref)
+    _fresh_process_rng()
+    test = pickle.loads(payload)
+    location: list[tuple[str, int] | None] = [None]
+    run = test.run
+
+    def run_noting_skips(**kwargs: Any) -> Any:
+        try:
+            return run(**kwargs)
+        except Skipped as exc:
+            location[0] = _skip_location(exc)
+            raise
+
+    test.run = run_noting_skips
+    box = _SkipBox()
+    with _world_hidden(getattr(test, "set_dist_env", True)) if hide else contextlib.nullcontext():
+        returned = getattr(test, RANK_ENTRY)(ctx.rank, ctx.world_size, port, None, box)
+    message = returned if isinstance(returned, str) else box.message
+    return (message, location[0] if message else None)

@@ -1,0 +1,81 @@
+"""The process world's public API for compat plugins: running another suite's code on the warm workers.
+
+A compat plugin (:mod:`dstest.compat.deepspeed`) runs a test the pytest process collected on the ranks of
+:class:`~dstest.worlds.process.ProcessWorld`. The world sends its rank function by reference (module and
+name), so the plugin's own rank function must live at module level; what that function needs to find the
+*test's* code and run it as a fresh process of the other suite's harness would is here:
+
+- :func:`module_ref` names a module the way a worker imports it again (its name, its file, and whether
+  pytest rewrote its assertions), and :func:`import_module_ref` imports it on the rank.
+- :func:`free_port` is a port for a rendezvous of the plugin's own (a ``MASTER_PORT`` the harness gives
+  its ranks); :func:`pool_pids` says which workers a world size has now, to notice a replaced pool.
+- :func:`preload_in_fork_server` has every worker start with the suite's heavy imports done once;
+  :func:`replace_after_this_run`, called on a rank, gives the next run fresh processes.
+- a run itself is a :class:`~dstest.worlds.request.RunRequest` given to ``ProcessWorld().run``; its
+  ``strict_shapes=True`` makes a shape-only difference between ranks a mismatch too.
+
+These names are kept stable for plugins; the modules they come from (``launch``, ``messages``, ``refs``,
+``warm``, ``worker``) are the process world's internals and may change.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+from dstest.worlds.process.launch import _free_port, preload_in_fork_server
+from dstest.worlds.process.messages import _FnRef
+
+__all__ = [
+    "ModuleRef",
+    "free_port",
+    "import_module_ref",
+    "module_ref",
+    "pool_pids",
+    "preload_in_fork_server",
+    "replace_after_this_run",
+]
+
+#: How a worker finds a module (or a function in it): ``(module, qualname, path, rewrite_asserts)``, a
+#: picklable named tuple; a reference to a whole module has an empty ``qualname``.
+ModuleRef = _FnRef
+
+
+def module_ref(module: ModuleType) -> ModuleRef:
+    """A reference a worker imports ``module`` again by: its name, its file (loaded from there when the
+    name alone does not find that file, as for a test module pytest imported from its rootdir), and
+    whether pytest rewrote its assertions (the worker then does the same)."""
+    path = getattr(module, "__file__", None)
+    return _FnRef(module.__name__, "", os.path.abspath(path) if path else None, "@py_builtins" in vars(module))
+
+
+def import_module_ref(ref: ModuleRef) -> ModuleType:
+    """On a rank: the module ``ref`` names, already imported, importable by name, or loaded from its file
+    (with its directory's first non-package parent on ``sys.path``, as under pytest's default import mode)."""
+    from dstest.worlds.process.refs import _import_module
+
+    module: ModuleType = _import_module(ref)
+    return module
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS's choice; another process may take it later)."""
+    return _free_port()
+
+
+def pool_pids(world_size: int, backend: str = "gloo") -> tuple[int, ...]:
+    """The worker pids of the live warm pool of ``world_size`` ranks on ``backend`` (empty: none yet).
+
+    A different tuple after a run than before it means the pool was replaced (a rank left it unusable)."""
+    from dstest.worlds.process.warm import pool_pids as all_pool_pids
+
+    return tuple(all_pool_pids().get((backend, world_size), ()))
+
+
+def replace_after_this_run(why: str) -> None:
+    """On a rank, during a run: have this worker replaced once the run ends (the run's result is reported
+    as usual; the next run gets fresh processes). For what no reset can take back."""
+    from dstest.worlds.process.worker import replace_after_this_run as replace
+
+    replace(why)
+
