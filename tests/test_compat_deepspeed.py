@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dstest.worlds.process.launch import _free_port
+from dstest.worlds.process.byref import free_port as _free_port
 
 pytestmark = pytest.mark.cpu
 
