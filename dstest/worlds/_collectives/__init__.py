@@ -61,9 +61,7 @@ from dstest.worlds._collectives.gathering import (
     Scatter,
 )
 from dstest.worlds._collectives.reducing import AllReduce, Broadcast, Reduce, ReduceScatter, ReduceScatterTensor
-from dstest.worlds.core.c10d import one_tensor as _one
 from dstest.worlds.core.matching import mismatch_text
-from dstest.worlds.core.matching import signature as _sig
 
 __all__ = [
     "CALLS",

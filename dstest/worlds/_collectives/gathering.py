@@ -18,13 +18,13 @@ from dstest.worlds._collectives.base import (
     _check_root,
     _large,
     _shapes,
-    _sig,
     _SingleTensorCall,
     _storage,
     copy_flat,
     copy_tensors,
     describe_tensor,
 )
+from dstest.worlds.core.matching import signature as _sig
 
 
 class _IntoList(Call):

@@ -20,7 +20,6 @@ from dstest.worlds._collectives.base import (
     _outputs_apart,
     _premul,
     _shapes,
-    _sig,
     _SingleTensorCall,
     check_reduce,
     copy_flat,
@@ -28,6 +27,7 @@ from dstest.worlds._collectives.base import (
     reduce_into,
     reduce_tensors,
 )
+from dstest.worlds.core.matching import signature as _sig
 
 
 class AllReduce(Call):
