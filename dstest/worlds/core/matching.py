@@ -30,6 +30,7 @@ __all__ = [
     "FINISHED",
     "Exchange",
     "Transfers",
+    "collective_where",
     "deadlock_text",
     "describe_tensor",
     "everyone_waits",
@@ -72,6 +73,11 @@ def group_label(name: str, global_ranks: Sequence[int], world_size: int) -> str:
 
 
 # -- collectives -------------------------------------------------------------------------------------------
+def collective_where(label: str, seq: int) -> str:
+    """Where a collective runs, as every message names it: ``group world (seq 3)``."""
+    return f"group {label} (seq {seq})"
+
+
 def mismatch_text(where: str, a_rank: int, a: Any, b_rank: int, b: Any, why: str) -> str:
     """Two ranks' calls of one collective that cannot match (``why``: ``Call.check_peer``'s answer)."""
     return f"{where}: rank {a_rank} called {a.describe()} but rank {b_rank} called {b.describe()} ({why})"
@@ -100,7 +106,7 @@ class Exchange:
 
     @property
     def where(self) -> str:  # formatted only for messages, not on every collective
-        return f"group {self.label} (seq {self.seq})"
+        return collective_where(self.label, self.seq)
 
     def join(self, call: Any) -> str | None:
         """Add ``call`` (one rank's side); return why it cannot match the first call, leaving it out.

@@ -234,13 +234,13 @@ class CheckedGroup(dist.ProcessGroup):
         the parent's store under the new group's name, as gloo's own split does."""
         from datetime import timedelta
 
-        from torch.distributed import distributed_c10d as c10d
+        from torch.distributed import distributed_c10d
 
         if self.rank_ not in ranks:
             return None
         if group_name is None:
             raise InvalidArgument("split_group needs the new group's name (torch's dist.split_group gives one)")
-        store = c10d._world.pg_map[self][1]
+        store = distributed_c10d._world.pg_map[self][1]
         rank, size = ranks.index(self.rank_), len(ranks)
         inner = c10d_c.ProcessGroupGloo(
             c10d_c.PrefixStore(f"{group_name}/", store), rank, size, timeout or timedelta(minutes=30)
@@ -268,7 +268,7 @@ class CheckedGroup(dist.ProcessGroup):
             return issue()
         call.check_local()
         seq = self._next_seq()
-        what = f"{call.describe()} on group {self.label} (seq {seq})"
+        what = f"{call.describe()} on {matching.collective_where(self.label, seq)}"
         record = checker.recorder.collective(self, call, seq, self.members[self.rank_])
         rec = checker.post(("post", self.gid, self.members, seq, call), what, issue, record)
         return CheckedWork(checker, rec)
