@@ -251,6 +251,7 @@ class Session:
         call.strict_shapes = self.strict_shapes
         seq = group.next_seq()
         key = (group.key, seq)
+        mine = call.key()  # outside the lock
         record = self.recorder.collective(group, call, seq, group.owner)
         after = _hazards.guard_call(call) if self.hazards else None
         with self.lock:
@@ -264,7 +265,7 @@ class Session:
             if ex.error is not None:
                 record.finished(ex.error)
                 raise self._raise(wait.global_rank, ex.error)
-            why = ex.join(call)
+            why = ex.join(call, mine)
             if why is not None:
                 err = CollectiveMismatch(why)
                 self._fail_exchange(ex, err)

@@ -108,12 +108,13 @@ class Exchange:
     def where(self) -> str:  # formatted only for messages, not on every collective
         return collective_where(self.label, self.seq)
 
-    def join(self, call: Any) -> str | None:
+    def join(self, call: Any, key: tuple[Any, ...] | None = None) -> str | None:
         """Add ``call`` (one rank's side); return why it cannot match the first call, leaving it out.
 
-        The first call's key is computed once per collective; the message only on a mismatch.
+        ``key``: ``call.key()`` if the caller computed it already (the threaded world does, outside its
+        lock). The first call's key is kept for the collective; the message is formed only on a mismatch.
         """
-        mine = call.key()
+        mine = call.key() if key is None else key
         first = self.first
         if first is None:
             self.first, self.first_key = call, mine
