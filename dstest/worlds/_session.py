@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from dstest.errors import CollectiveMismatch, InvalidArgument, UnfinishedWork, WorkAborted, WorldAborted
+from dstest.errors import CollectiveMismatch, UnfinishedWork, WorkAborted, WorldAborted
 from dstest.worlds import _collectives as C
 from dstest.worlds import _compat, _hazards, _trace
-from dstest.worlds.core import matching
+from dstest.worlds.core import c10d, matching
 from dstest.worlds.core.matching import FINISHED, Exchange
 
 __all__ = ["Done", "Session", "Waitable"]
@@ -316,8 +316,7 @@ class Session:
 
     # -- point to point --------------------------------------------------------------------------------
     def post_p2p(self, group: Any, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> P2PWait:
-        if not 0 <= peer < group.size_:
-            raise InvalidArgument(f"{kind}: peer rank {peer} is not in {group.label} (size {group.size_})")
+        c10d.check_peer_rank(kind, peer, group.size_, f"group {group.label}")
         me = group.rank_
         src, dst = (me, peer) if kind == "send" else (peer, me)
         where = f"group {group.label}"

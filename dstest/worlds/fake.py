@@ -22,6 +22,7 @@ from dstest.worlds import _compat, _trace
 from dstest.worlds._backend import rank_process_group, register_backend
 from dstest.worlds._reports import format_exception
 from dstest.worlds._session import Done
+from dstest.worlds.core import c10d
 from dstest.worlds.protocol import check_run_arguments
 
 __all__ = ["FakeWorld"]
@@ -45,8 +46,7 @@ class _FakeSession:
         return done
 
     def post_p2p(self, group: Any, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> Done:
-        if not 0 <= peer < group.size_:
-            raise InvalidArgument(f"{kind}: peer rank {peer} is not in the group (size {group.size_})")
+        c10d.check_peer_rank(kind, peer, group.size_, f"group {group.label}")
         done = Done(self, group.owner, [tensor])
         done.record = self.recorder.p2p(group, kind, tensor, group.global_ranks[peer], tag, group.owner)
         done.record.finished(None)

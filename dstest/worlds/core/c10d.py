@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeVar
 
 from dstest.errors import InvalidArgument
 
-__all__ = ["ALIASES", "METHODS", "Buffers", "Method", "bind", "install", "one_tensor"]
+__all__ = ["ALIASES", "METHODS", "Buffers", "Method", "bind", "check_peer_rank", "install", "one_tensor"]
 
 
 def one_tensor(tensors: Sequence[Any], what: str) -> Any:
@@ -31,6 +31,12 @@ def one_tensor(tensors: Sequence[Any], what: str) -> Any:
     if len(tensors) != 1:
         raise InvalidArgument(f"{what}: expected exactly one tensor per rank, got {len(tensors)}")
     return tensors[0]
+
+
+def check_peer_rank(kind: str, peer: int, size: int, where: str) -> None:
+    """Raise InvalidArgument when a transfer's peer (a group rank) is not a rank of its group."""
+    if not 0 <= peer < size:
+        raise InvalidArgument(f"{kind}: peer rank {peer} is not in {where} (group ranks 0..{size - 1})")
 
 
 class Buffers(Protocol):

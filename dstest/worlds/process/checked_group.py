@@ -277,10 +277,7 @@ class CheckedGroup(dist.ProcessGroup):
         checker = self.checker
         if not checker.active:
             return issue()
-        if not 0 <= peer < self.size_:
-            raise InvalidArgument(
-                f"{kind}: peer rank {peer} is not in group {self.label} (group ranks 0..{self.size_ - 1})"
-            )
+        c10d.check_peer_rank(kind, peer, self.size_, f"group {self.label}")
         what = matching.p2p_describe(kind, t, self.members[peer], tag, f"group {self.label}")
         msg = ("p2p", self.gid, self.members, kind, self.rank_, peer, tag, _Meta.of(t), what)
         record = checker.recorder.p2p(self, kind, t, self.members[peer], tag, self.members[self.rank_])
