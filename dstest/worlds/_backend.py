@@ -353,9 +353,6 @@ class Group(dist.ProcessGroup):
                 offset += t.numel()
         return Work(Done(g.session, g.owner, args["tensors"]))
 
-    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
-        raise InvalidArgument("recv without src (any source) is not supported by dstest's worlds; pass src")
-
     def monitoredBarrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         raise InvalidArgument(
             "dist.monitored_barrier is implemented by torch for the gloo backend only (torch's own limit); "

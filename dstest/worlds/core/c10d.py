@@ -190,9 +190,15 @@ _T = TypeVar("_T", bound=type)
 
 def install(cls: _T) -> _T:
     """Class decorator: one method per entry of :data:`METHODS` and :data:`ALIASES`, each calling
-    ``self._c10d(method, args)``."""
+    ``self._c10d(method, args)``; and ``recv_anysource``, which every world refuses."""
     for method in METHODS:
         setattr(cls, method.name, _make(method))
     for alias, name in ALIASES.items():
         setattr(cls, alias, getattr(cls, name))
+    cls.recv_anysource = _recv_anysource  # type: ignore[attr-defined]
     return cls
+
+
+def _recv_anysource(self: Any, tensors: Sequence[Any], tag: int = 0) -> Any:
+    """``dist.recv`` without ``src``: refused in every world (a transfer is matched by its two ranks)."""
+    raise InvalidArgument("recv without src (any source) is not supported by dstest's worlds: pass src")

@@ -306,6 +306,3 @@ class CheckedGroup(dist.ProcessGroup):
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         self.barrier().wait()
-
-    def recv_anysource(self, tensors: list[Any], tag: int = 0) -> Any:
-        raise InvalidArgument("recv without src (any source) is not supported by the checked process world: pass src")
