@@ -153,6 +153,10 @@ class _Tensors:
     one = staticmethod(c10d.one_tensor)
 
     @staticmethod
+    def tensor(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @staticmethod
     def each(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return list(tensors)
 

@@ -42,6 +42,9 @@ def check_peer_rank(kind: str, peer: int, size: int, where: str) -> None:
 class Buffers(Protocol):
     """How a world gives a ``Call`` its buffers and reads c10d's options."""
 
+    def tensor(self, t: Any) -> Any:
+        """The buffer of one tensor."""
+
     def one(self, tensors: Sequence[Any], what: str) -> Any:
         """The buffer of a one-tensor list (:func:`one_tensor`)."""
 
@@ -106,7 +109,7 @@ METHODS: tuple[Method, ...] = (
     ),
     Method(
         "_allgather_base", ("output", "inp", "opts"), "AllgatherOptions", "all_gather_into_tensor",
-        lambda b, a: (b.each([a["output"]])[0], b.each([a["inp"]])[0]),
+        lambda b, a: (b.tensor(a["output"]), b.tensor(a["inp"])),
     ),
     Method(
         "reduce_scatter", ("outputs", "inputs", "opts"), "ReduceScatterOptions", "reduce_scatter",
@@ -114,7 +117,7 @@ METHODS: tuple[Method, ...] = (
     ),
     Method(
         "_reduce_scatter_base", ("output", "inp", "opts"), "ReduceScatterOptions", "reduce_scatter_tensor",
-        lambda b, a: (*b.each([a["output"], a["inp"]]), b.op(a["opts"])),
+        lambda b, a: (b.tensor(a["output"]), b.tensor(a["inp"]), b.op(a["opts"])),
     ),
     Method(
         "alltoall", ("outputs", "inputs", "opts"), "AllToAllOptions", "all_to_all",
@@ -123,7 +126,9 @@ METHODS: tuple[Method, ...] = (
     Method(
         "alltoall_base", ("output", "inp", "output_split_sizes", "input_split_sizes", "opts"), "AllToAllOptions",
         "all_to_all_single",
-        lambda b, a: (*b.each([a["output"], a["inp"]]), a["output_split_sizes"], a["input_split_sizes"]),
+        lambda b, a: (
+            b.tensor(a["output"]), b.tensor(a["inp"]), a["output_split_sizes"], a["input_split_sizes"]
+        ),
     ),
     Method(
         "gather", ("outputs", "inputs", "opts"), "GatherOptions", "gather",

@@ -127,6 +127,10 @@ class _Metas:
     microseconds), see :class:`dstest.worlds.core.c10d.Buffers`."""
 
     @staticmethod
+    def tensor(t: Any) -> _Meta:
+        return _Meta.of(t)
+
+    @staticmethod
     def one(tensors: Sequence[Any], what: str) -> _Meta:
         return _Meta.of(c10d.one_tensor(tensors, what))
 
