@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -26,6 +26,7 @@ from dstest.errors import InvalidArgument
 from dstest.worlds import _collectives as C
 from dstest.worlds import torch_internals as _compat
 from dstest.worlds._session import Done, P2PWait, Waitable
+from dstest.worlds.core import c10d
 
 __all__ = [
     "BACKEND_NAME",
@@ -146,8 +147,43 @@ class Work(_compat.WorkBase):  # type: ignore[misc]
         return handed_out
 
 
+class _Tensors:
+    """The threaded world hands a ``Call`` the rank's own tensors (see :class:`dstest.worlds.core.c10d.Buffers`)."""
+
+    one = staticmethod(c10d.one_tensor)
+
+    @staticmethod
+    def tensor(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @staticmethod
+    def each(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return list(tensors)
+
+    @staticmethod
+    def flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+
+    @staticmethod
+    def op(opts: Any) -> str:
+        return _compat.reduce_op_name(opts.reduceOp)
+
+    @staticmethod
+    def root(opts: Any) -> int:
+        return int(opts.rootRank)
+
+
+_TENSORS = _Tensors()
+
+
+@c10d.install
 class Group(dist.ProcessGroup):
-    """One rank's handle on one group of a world; every method forwards to the session."""
+    """One rank's handle on one group of a world; every method forwards to the session.
+
+    The c10d methods (``allreduce``, ``_allgather_base``, ``send``...) are made from the checking core's
+    table (:mod:`dstest.worlds.core.c10d`), as the process world's checked gloo groups are: each builds
+    the same ``Call`` from the same arguments, and :meth:`_c10d` posts it to this world's session.
+    """
 
     def __init__(self, session: Any, rank: int, size: int, global_ranks: list[int], name: str) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) overload has no stub
@@ -292,127 +328,34 @@ class Group(dist.ProcessGroup):
     def _post(self, call: C.Call) -> Work:
         return Work(self.session.arrive(self, call))
 
-    def _reduce_op(self, opts: Any) -> str:
-        return _compat.reduce_op_name(opts.reduceOp)
-
-    # -- collectives (signatures as c10d calls them) -----------------------------------------------
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
+    # -- collectives: every c10d method comes from the checking core's table (core.c10d.install) --------
+    def _c10d(self, method: c10d.Method, args: dict[str, Any]) -> Work:
+        """One c10d method (``method``, with its arguments by name), for the calling rank's group."""
         g = self._acting()
-        op = g._reduce_op(opts) if opts is not None else "sum"
-        t = C._one(tensors, "all_reduce")
-        return g._post(C.AllReduce(g.rank_, g.size_, t, op))
-
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
-        g = self._acting()
-        op = g._reduce_op(opts) if opts is not None else "sum"
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.empty(0)
-        work = g._post(C.AllReduce(g.rank_, g.size_, flat, op))
-        work.wait()
-        offset = 0
+        if method.kind == "p2p":
+            t = c10d.one_tensor(args["tensors"], method.name)
+            peer = args[method.params[1]]
+            return Work(g.session.post_p2p(g, method.name, t, int(peer), int(args["tag"])))
+        if args["opts"] is None:
+            args["opts"] = getattr(torch._C._distributed_c10d, method.options)()
+        if method.kind == "coalesced":
+            # Coalesced forms run as consecutive collectives on the group, in list order, on every rank.
+            part = getattr(g, method.part)
+            for work in [part(o, i, args["opts"]) for o, i in zip(args["outputs"], args["inputs"])]:
+                work.wait()
+            return Work(Done(g.session, g.owner, args["outputs"]))
+        assert method.args is not None
+        call_args = method.args(_TENSORS, args)
+        work = g._post(C.CALLS[method.op](g.rank_, g.size_, *call_args))
+        if method.kind != "flat":
+            return work
+        work.wait()  # the flat buffer is a copy: its result goes back into the caller's tensors
+        flat, offset = call_args[0], 0
         with torch.no_grad():
-            for t in tensors:
+            for t in args["tensors"]:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
-        return Work(Done(g.session, g.owner, tensors))
-
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work:  # type: ignore[override]
-        g = self._acting()
-        t = C._one(tensors, "broadcast")
-        return g._post(C.Broadcast(g.rank_, g.size_, t, int(opts.rootRank)))
-
-    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:  # type: ignore[override]
-        g = self._acting()
-        t = C._one(tensors, "reduce")
-        return g._post(C.Reduce(g.rank_, g.size_, t, g._reduce_op(opts), int(opts.rootRank)))
-
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
-        g = self._acting()
-        t = C._one(inputs, "all_gather")
-        return g._post(C.AllGather(g.rank_, g.size_, outputs[0], t))
-
-    def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Work:
-        g = self._acting()
-        return g._post(C.AllGatherIntoTensor(g.rank_, g.size_, output, inp))
-
-    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Work:  # type: ignore[override]
-        g = self._acting()
-        out = C._one(outputs, "reduce_scatter")
-        return g._post(C.ReduceScatter(g.rank_, g.size_, out, inputs[0], g._reduce_op(opts)))
-
-    def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> Work:
-        g = self._acting()
-        return g._post(C.ReduceScatterTensor(g.rank_, g.size_, output, inp, g._reduce_op(opts)))
-
-    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Work:
-        g = self._acting()
-        return g._post(C.AllToAll(g.rank_, g.size_, outputs, inputs))
-
-    def alltoall_base(
-        self,
-        output: torch.Tensor,
-        inp: torch.Tensor,
-        output_split_sizes: list[int],
-        input_split_sizes: list[int],
-        opts: Any = None,
-    ) -> Work:
-        g = self._acting()
-        return g._post(C.AllToAllSingle(g.rank_, g.size_, output, inp, output_split_sizes, input_split_sizes))
-
-    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Work:  # type: ignore[override]
-        g = self._acting()
-        t = C._one(inputs, "gather")
-        outs = outputs[0] if outputs else []
-        return g._post(C.Gather(g.rank_, g.size_, outs, t, int(opts.rootRank)))
-
-    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Work:  # type: ignore[override]
-        g = self._acting()
-        out = C._one(outputs, "scatter")
-        ins = inputs[0] if inputs else []
-        return g._post(C.Scatter(g.rank_, g.size_, out, ins, int(opts.rootRank)))
-
-    # torch renamed the single-tensor entry points (2.13 calls these; older releases the _base names).
-    all_gather_single = _allgather_base  # type: ignore[assignment]
-    reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]
-    all_to_all_single = alltoall_base  # type: ignore[assignment]
-
-    def _coalesced(self, posts: list[Work], tensors: list[torch.Tensor]) -> Work:
-        """Coalesced forms run as consecutive collectives on the group, in list order, on every rank."""
-        for work in posts:
-            work.wait()
-        return Work(Done(self.session, self.owner, tensors))
-
-    def all_gather_single_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> Work:
-        g = self._acting()
-        return g._coalesced([g._allgather_base(o, i) for o, i in zip(outputs, inputs)], outputs)
-
-    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
-
-    def reduce_scatter_single_coalesced(  # type: ignore[override]
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
-    ) -> Work:
-        g = self._acting()
-        return g._coalesced([g._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
-
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
-
-    def barrier(self, opts: Any = None) -> Work:
-        g = self._acting()
-        return g._post(C.Barrier(g.rank_, g.size_))
-
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
-        g = self._acting()
-        t = C._one(tensors, "send")
-        return Work(g.session.post_p2p(g, "send", t, int(dst), int(tag)))
-
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work:
-        g = self._acting()
-        t = C._one(tensors, "recv")
-        return Work(g.session.post_p2p(g, "recv", t, int(src), int(tag)))
-
-    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
-        raise InvalidArgument("recv without src (any source) is not supported by dstest's worlds; pass src")
+        return Work(Done(g.session, g.owner, args["tensors"]))
 
     def monitoredBarrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         raise InvalidArgument(

@@ -20,6 +20,10 @@ and wakes the ranks that sleep on it by releasing one lock each; a woken rank on
 thus written when the collective completes, as gloo's and NCCL's background work writes them, not when
 each rank waits. A wait allocates its wake-up lock only when it has to sleep; all state changes happen
 under the session lock.
+
+The rules themselves (matching by group and sequence number, a rank that finished while others wait on
+it, deadlocks, and the texts of these errors) are the checking core's (:mod:`dstest.worlds.core.matching`),
+which the process world's referee drives too; this module is the threaded world's transport around them.
 """
 
 from __future__ import annotations
@@ -27,16 +31,17 @@ from __future__ import annotations
 import threading
 import traceback
 from _thread import allocate_lock
-from collections import deque
 from typing import Any
 
 import torch
 
 import dstest.trace as _trace
-from dstest.errors import CollectiveMismatch, InvalidArgument, UnfinishedWork, WorkAborted, WorldAborted
+from dstest.errors import CollectiveMismatch, UnfinishedWork, WorkAborted, WorldAborted
 from dstest.worlds import _collectives as C
 from dstest.worlds import _hazards
 from dstest.worlds import torch_internals as _compat
+from dstest.worlds.core import c10d, matching
+from dstest.worlds.core.matching import FINISHED, Exchange
 
 __all__ = ["Done", "Session", "Waitable"]
 
@@ -114,31 +119,10 @@ class CollectiveWait(Waitable):
         return f"{self.call.describe()} on {self.where}"
 
     def waiting_for(self) -> list[int]:
-        return [g for g, c in zip(self.exchange.global_ranks, self.exchange.calls) if c is None]
+        return self.exchange.waiting_for()
 
     def outputs(self) -> list[torch.Tensor]:
         return self.call.outputs()
-
-
-class Exchange:
-    """All ranks' sides of one collective on one group."""
-
-    __slots__ = ("calls", "error", "first", "first_key", "global_ranks", "label", "missing", "seq", "waits")
-
-    def __init__(self, group: Any, seq: int) -> None:
-        self.global_ranks: list[int] = group.global_ranks
-        self.label: str = group.label
-        self.seq = seq
-        self.calls: list[C.Call | None] = [None] * group.size_
-        self.missing: int = group.size_
-        self.waits: list[CollectiveWait] = []
-        self.first: C.Call | None = None
-        self.first_key: tuple[Any, ...] = ()
-        self.error: BaseException | None = None
-
-    @property
-    def where(self) -> str:  # formatted only for messages, not on every collective
-        return f"group {self.label} (seq {self.seq})"
 
 
 class P2PWait(Waitable):
@@ -153,8 +137,7 @@ class P2PWait(Waitable):
         self.tag = tag
 
     def describe(self) -> str:
-        arrow = "to" if self.kind == "send" else "from"
-        return f"{self.kind}({C.describe_tensor(self.tensor)} {arrow} rank {self.peer}, tag={self.tag}) on {self.where}"
+        return matching.p2p_describe(self.kind, self.tensor, self.peer, self.tag, self.where)
 
     def waiting_for(self) -> list[int]:
         return [] if self.done else [self.peer]
@@ -206,7 +189,7 @@ class Session:
         self.lock = threading.Lock()
         self.store = _compat.hash_store()
         self.exchanges: dict[tuple[Any, ...], Exchange] = {}
-        self.p2p: dict[tuple[Any, ...], tuple[deque[P2PWait], deque[P2PWait]]] = {}
+        self.p2p = matching.Transfers()  # of P2PWait
         self.pending: dict[int, Waitable] = {}  # global rank -> what it is blocked on
         self.done: set[int] = set()
         self.aborted: BaseException | None = None
@@ -236,7 +219,7 @@ class Session:
     def leftovers(self) -> bool:
         """Whether a run left a collective or a transfer half done (then the session cannot be reused)."""
         with self.lock:
-            return bool(self.exchanges) or any(s or r for s, r in self.p2p.values())
+            return bool(self.exchanges) or bool(self.p2p)
 
     def register_group(self, group: Any) -> None:
         with self.lock:
@@ -274,7 +257,7 @@ class Session:
         call.strict_shapes = self.strict_shapes
         seq = group.next_seq()
         key = (group.key, seq)
-        mine = call.key()
+        mine = call.key()  # outside the lock
         record = self.recorder.collective(group, call, seq, group.owner)
         after = _hazards.guard_call(call) if self.hazards else None
         with self.lock:
@@ -282,33 +265,25 @@ class Session:
                 self._check_alive()
             ex = self.exchanges.get(key)
             if ex is None:
-                ex = self.exchanges[key] = Exchange(group, seq)
+                ex = self.exchanges[key] = Exchange(group.global_ranks, group.label, seq)
             wait = CollectiveWait(self, ex.global_ranks[call.group_rank], call, ex)
             wait.record, wait.after = record, after
             if ex.error is not None:
                 record.finished(ex.error)
                 raise self._raise(wait.global_rank, ex.error)
-            if ex.first is None:
-                ex.first, ex.first_key = call, mine
-            elif type(call) is not type(ex.first) or mine != ex.first_key:
-                # the first call's key is computed once per collective; the message only on a mismatch
-                why = call.check_peer(ex.first) or "different arguments"
-                first_rank = ex.global_ranks[ex.first.group_rank]
-                err = C.mismatch(
-                    f"collective mismatch on {ex.where}", first_rank, ex.first, wait.global_rank, call, why
-                )
+            why = ex.join(call, mine)
+            if why is not None:
+                err = CollectiveMismatch(why)
                 self._fail_exchange(ex, err)
                 record.finished(err)
                 raise self._raise(wait.global_rank, err)
-            ex.calls[call.group_rank] = call
-            ex.missing -= 1
-            ex.waits.append(wait)
+            ex.sides.append(wait)
             self.ranks[wait.global_rank].open[id(wait)] = wait
             if ex.missing:
                 if self.done:  # only a finished rank can doom it; most runs have none mid-collective
-                    gone = [g for g, c in zip(ex.global_ranks, ex.calls) if c is None and g in self.done]
-                    if gone:
-                        self._doom_waits_needing(gone[0])
+                    gone = ex.left(self.done)
+                    if gone is not None:
+                        self._doom_waits_needing(gone)
                 return wait
             del self.exchanges[key]
         self._complete(ex)
@@ -318,22 +293,18 @@ class Session:
         """By the last rank to arrive, outside the lock: check every call, write every rank's outputs,
         then wake the others. The other ranks are inside the collective or past an async post, so their
         inputs are read in place (as NCCL reads them); copies never enter autograd (as with gloo)."""
-        calls: list[C.Call] = ex.calls  # type: ignore[assignment]  # complete: no None left
-        first = calls[0]
+        calls: list[C.Call] = ex.calls  # complete: no None left
         error: BaseException | None = None
         failed: dict[int, BaseException] = {}
         grad = torch.is_grad_enabled()
         try:
-            why = first.check_all(calls)
+            why = ex.verdict()
             if why is not None:
-                error = CollectiveMismatch(
-                    f"collective mismatch on {ex.where}: {why}; calls: "
-                    + "; ".join(f"rank {g} called {c.describe()}" for g, c in zip(ex.global_ranks, calls))
-                )
+                error = CollectiveMismatch(why)
             else:
                 if grad:
                     torch._C._set_grad_enabled(False)
-                failed = first.deliver(calls)
+                failed = calls[0].deliver(calls)
         except Exception as exc:
             error = exc
         finally:
@@ -341,18 +312,17 @@ class Session:
                 torch._C._set_grad_enabled(True)
         with self.lock:
             ex.error = error
-            for w in ex.waits:
+            for w in ex.sides:
                 w.complete(error or failed.get(w.call.group_rank))
 
     def _fail_exchange(self, ex: Exchange, err: BaseException) -> None:
         ex.error = err
-        for w in ex.waits:
+        for w in ex.sides:
             w.complete(err)
 
     # -- point to point --------------------------------------------------------------------------------
     def post_p2p(self, group: Any, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> P2PWait:
-        if not 0 <= peer < group.size_:
-            raise InvalidArgument(f"{kind}: peer rank {peer} is not in {group.label} (size {group.size_})")
+        c10d.check_peer_rank(kind, peer, group.size_, f"group {group.label}")
         me = group.rank_
         src, dst = (me, peer) if kind == "send" else (peer, me)
         where = f"group {group.label}"
@@ -364,24 +334,19 @@ class Session:
             self._check_alive()
             if wait.peer in self.done:
                 err = CollectiveMismatch(
-                    f"rank {wait.global_rank} posted {wait.describe()}, but rank {wait.peer} has already "
-                    "finished its function: the transfer can never complete"
+                    matching.p2p_left_text(wait.global_rank, wait.describe(), kind, wait.peer, FINISHED)
                 )
                 record.finished(err)
                 raise self._raise(wait.global_rank, err)
-            sends, recvs = self.p2p.setdefault((group.key, src, dst, tag), (deque(), deque()))
-            mine, theirs = (sends, recvs) if kind == "send" else (recvs, sends)
             self._open(wait)
-            if not theirs:
-                mine.append(wait)
+            other = self.p2p.match((group.key, src, dst, tag), kind, wait)
+            if other is None:
                 return wait
-            other = theirs.popleft()
         send, recv = (wait, other) if kind == "send" else (other, wait)
         error: BaseException | None = None
-        if C._sig(send.tensor, self.strict_shapes) != C._sig(recv.tensor, self.strict_shapes):
+        if not matching.same_buffer(send.tensor, recv.tensor, self.strict_shapes):
             error = CollectiveMismatch(
-                f"point-to-point mismatch on {where}: rank {send.global_rank} called {send.describe()} but "
-                f"rank {recv.global_rank} called {recv.describe()}"
+                matching.p2p_mismatch_text(where, send.global_rank, send.describe(), recv.global_rank, recv.describe())
             )
         else:
             with torch.no_grad():
@@ -470,47 +435,18 @@ class Session:
         for key, ex in list(self.exchanges.items()):
             if rank in ex.global_ranks and ex.calls[ex.global_ranks.index(rank)] is None:
                 del self.exchanges[key]
-                first = ex.first
-                posted = "; ".join(f"rank {w.global_rank} called {w.call.describe()}" for w in ex.waits)
-                err = CollectiveMismatch(
-                    f"rank {rank} finished its function without joining "
-                    f"{first.describe() if first is not None else 'a collective'} on {ex.where} ({posted}): "
-                    "it can never complete"
-                )
-                self._fail_exchange(ex, err)
-        for key, (sends, recvs) in list(self.p2p.items()):
-            for queue_ in (sends, recvs):
-                for w in [w for w in queue_ if w.peer == rank]:
-                    queue_.remove(w)
-                    w.complete(
-                        CollectiveMismatch(
-                            f"rank {rank} finished its function without matching rank {w.global_rank}'s "
-                            f"{w.describe()}: it can never complete"
-                        )
-                    )
-            if not sends and not recvs:
-                del self.p2p[key]
+                self._fail_exchange(ex, CollectiveMismatch(ex.left_text(rank, FINISHED)))
+        for w in self.p2p.drop(lambda w: w.peer == rank):
+            w.complete(CollectiveMismatch(matching.p2p_left_text(w.global_rank, w.describe(), w.kind, rank, FINISHED)))
 
     def _detect_deadlock(self) -> None:
         """Called under the lock: fail every wait when no running rank is left to complete any of them."""
-        if self.aborted is not None or not self.pending:
-            return
-        if len(self.pending) + len(self.done) < self.world_size:
+        if self.aborted is not None or not matching.everyone_waits(self.world_size, len(self.pending), len(self.done)):
             return  # someone is still running and may yet arrive
         if any(w.done for w in self.pending.values()):
             return
-        lines = []
-        for rank in sorted(self.pending):
-            w = self.pending[rank]
-            needs = ", ".join(
-                f"rank {r} ({'finished its function' if r in self.done else 'waiting in ' + self.pending[r].describe() if r in self.pending else 'running'})"
-                for r in w.waiting_for()
-            )
-            lines.append(f"  rank {rank} waits in {w.describe()} for {needs}")
-        err = CollectiveMismatch(
-            "deadlock: every rank still running waits for a collective that cannot complete "
-            "(mismatched collectives, groups or peers):\n" + "\n".join(lines)
-        )
+        blocked = {r: (w.describe(), w.waiting_for()) for r, w in self.pending.items()}
+        err = CollectiveMismatch(matching.deadlock_text(blocked, dict.fromkeys(self.done, FINISHED)))
         for w in list(self.pending.values()):
             w.complete(err)
 
@@ -527,10 +463,8 @@ class Session:
             if self.aborted is not None:
                 return False
             self.aborted = reason
-            waits: list[Waitable] = [w for ex in self.exchanges.values() for w in ex.waits]
-            for sends, recvs in self.p2p.values():
-                waits.extend(sends)
-                waits.extend(recvs)
+            waits: list[Waitable] = [w for ex in self.exchanges.values() for w in ex.sides]
+            waits.extend(self.p2p.waiting())
             waits.extend(self.pending.values())
             for r in self.ranks:
                 waits.extend(r.open.values())

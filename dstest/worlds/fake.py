@@ -23,6 +23,7 @@ from dstest.worlds import torch_internals
 from dstest.worlds._backend import rank_process_group, register_backend
 from dstest.worlds._failures import format_exception
 from dstest.worlds._session import Done
+from dstest.worlds.core import c10d
 from dstest.worlds.request import RunRequest
 
 __all__ = ["FakeWorld"]
@@ -46,8 +47,7 @@ class _FakeSession:
         return done
 
     def post_p2p(self, group: Any, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> Done:
-        if not 0 <= peer < group.size_:
-            raise InvalidArgument(f"{kind}: peer rank {peer} is not in the group (size {group.size_})")
+        c10d.check_peer_rank(kind, peer, group.size_, f"group {group.label}")
         done = Done(self, group.owner, [tensor])
         done.record = self.recorder.p2p(group, kind, tensor, group.global_ranks[peer], tag, group.owner)
         done.record.finished(None)

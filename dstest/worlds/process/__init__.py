@@ -43,10 +43,12 @@ The package, one module per concern (each imports only those before it in this l
 
 - :mod:`~dstest.worlds.process.messages`: what travels between parent and workers (pickled by reference);
 - :mod:`~dstest.worlds.process.refs`: function references, loading a module by name or path;
-- :mod:`~dstest.worlds.process.checker` and :mod:`~dstest.worlds.process.checked`: the worker side of the
-  cross-rank check (a rank's posted calls; the ``CheckedGroup`` torch sees);
+- :mod:`~dstest.worlds.process.checker`, :mod:`~dstest.worlds.process.checked_group` and
+  :mod:`~dstest.worlds.process.checked`: the worker side of the cross-rank check (a rank's posted calls;
+  the ``CheckedGroup`` torch sees, made from the checking core's c10d table; its registration);
 - :mod:`~dstest.worlds.process.worker`: the worker process's entry point and run loop;
-- :mod:`~dstest.worlds.process.referee`: the parent side of the cross-rank check;
+- :mod:`~dstest.worlds.process.referee`: the parent side of the cross-rank check (it drives the checking
+  core, :mod:`dstest.worlds.core.matching`, as the threaded world's session does);
 - :mod:`~dstest.worlds.process.launch`: the fork server or spawn, ports, threads per rank;
 - :mod:`~dstest.worlds.process.pool`: one pool of warm workers and its failure reports;
 - :mod:`~dstest.worlds.process.warm`: the pools of this process, the warm cap, :func:`shutdown_all`;

@@ -1,27 +1,20 @@
-"""The parent side of the cross-rank check: the referee that matches every rank's calls of one run."""
+"""The parent side of the cross-rank check: the referee that matches every rank's calls of one run.
+
+The rules (matching by group and sequence number, ranks that left the run, deadlocks, the texts) are the
+checking core's (:mod:`dstest.worlds.core.matching`), which the threaded world's session drives too; the
+referee is their transport for processes: it reads the ranks' posts from pipes and answers each with a
+verdict ("ok", or the error) that the rank's checked group waits for.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import pickle
-from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
-
-class _Exchange:
-    """Every rank's side of one collective of one group (matched by group and sequence number)."""
-
-    __slots__ = ("calls", "error", "gid", "members", "posts", "seq", "where")
-
-    def __init__(self, gid: str, members: tuple[int, ...], seq: int, where: str) -> None:
-        self.gid = gid
-        self.members = members
-        self.seq = seq
-        self.where = where
-        self.calls: dict[int, Any] = {}  # global rank -> Call
-        self.posts: dict[int, int] = {}  # global rank -> post id
-        self.error: tuple[str, str] | None = None
+from dstest.worlds.core import matching
+from dstest.worlds.core.matching import FINISHED, Exchange
 
 
 class _Transfer(NamedTuple):
@@ -29,11 +22,6 @@ class _Transfer(NamedTuple):
     post_id: int
     meta: Any
     what: str
-
-
-def _buffer(meta: Any, strict: bool) -> tuple[Any, ...]:
-    """What a transfer's two sides must share: dtype and element count (gloo's check), or the shape too."""
-    return (meta.dtype, tuple(meta.shape) if strict else meta.numel())
 
 
 class _Referee:
@@ -50,10 +38,10 @@ class _Referee:
         self.strict_shapes = strict_shapes  # shapes must be equal, not only element counts (SPEC E2)
         self.world_size = world_size
         self.conns = conns
-        self.exchanges: dict[tuple[str, int], _Exchange] = {}
-        self.transfers: dict[tuple[str, int, int, int], tuple[deque[_Transfer], deque[_Transfer]]] = {}
-        # (rank, post id) -> (what, exchange or transfer key, the peer's global rank for a transfer)
-        self.pending: dict[tuple[int, int], tuple[str, Any, int | None]] = {}
+        self.exchanges: dict[tuple[str, int], Exchange] = {}  # sides: (rank, post id)
+        self.transfers = matching.Transfers()  # of _Transfer
+        # (rank, post id) -> (what, exchange or transfer key, the peer's global rank and the kind of a transfer)
+        self.pending: dict[tuple[int, int], tuple[str, Any, int | None, str]] = {}
         self.blocked: dict[int, int] = {}  # rank -> post id it waits for
         self.done: dict[int, str] = {}  # rank -> "finished its function" | "failed (...)"
         self.failed: set[int] = set()
@@ -91,10 +79,10 @@ class _Referee:
             del self.blocked[rank]
         self._send(rank, ("err", self.run_id, post_id, kind, message))
 
-    def _fail_exchange(self, ex: _Exchange, kind: str, message: str, skip: int | None = None) -> None:
+    def _fail_exchange(self, ex: Exchange, kind: str, message: str, skip: int | None = None) -> None:
         """Fail every side of ``ex`` posted so far, and those posted later (``skip``: a rank that left)."""
         ex.error = (kind, message)
-        for r, post_id in ex.posts.items():
+        for r, post_id in ex.sides:
             if r != skip and (r, post_id) in self.pending:
                 self._fail(r, post_id, kind, message)
 
@@ -104,68 +92,37 @@ class _Referee:
 
     # -- collectives ----------------------------------------------------------------------------------------
     def _post(self, rank: int, post_id: int, gid: str, members: tuple[int, ...], seq: int, call: Any) -> None:
-        from dstest.worlds import _collectives as C
-
         key = (gid, seq)
         ex = self.exchanges.get(key)
         if ex is None:
-            label = "world" if gid == "0" and len(members) == self.world_size else f"{gid} {list(members)}"
-            ex = self.exchanges[key] = _Exchange(gid, members, seq, f"group {label} (seq {seq})")
+            ex = self.exchanges[key] = Exchange(members, matching.group_label(gid, members, self.world_size), seq)
         call.strict_shapes = self.strict_shapes
-        what = f"{call.describe()} on {ex.where}"
-        self.pending[(rank, post_id)] = (what, key, None)
-        ex.posts[rank] = post_id
+        self.pending[(rank, post_id)] = (f"{call.describe()} on {ex.where}", key, None, "")
+        ex.sides.append((rank, post_id))
         if ex.error is not None:
             self._fail(rank, post_id, *ex.error)
             return
-        if members != ex.members:
-            first = next(iter(ex.calls.items()), None)
-            other = f"rank {first[0]} called {first[1].describe()} on group {gid} {list(ex.members)}" if first else ""
-            self._fail_exchange(
-                ex,
-                "mismatch",
-                f"collective mismatch on group {gid} (seq {seq}): rank {rank} called {call.describe()} on group "
-                f"{gid} {list(members)} but {other} (the ranks created their groups differently)",
-            )
+        if members != ex.global_ranks:
+            self._fail_exchange(ex, "mismatch", matching.members_mismatch_text(gid, seq, rank, call, members, ex))
             return
-        if ex.calls:
-            first_rank, first = next(iter(ex.calls.items()))
-            why = call.check_peer(first)
-            if why is not None:
-                err = C.mismatch(f"collective mismatch on {ex.where}", first_rank, first, rank, call, why)
-                self._fail_exchange(ex, "mismatch", str(err))
-                return
-        ex.calls[rank] = call
-        gone = [r for r in members if r in self.done and r not in ex.calls]
-        if gone:
-            kind, phrase = self._gone(gone[0])
-            self._fail_exchange(ex, kind, self._left_message(ex, gone[0], phrase))
+        why = ex.join(call)
+        if why is not None:
+            self._fail_exchange(ex, "mismatch", why)
             return
-        if len(ex.calls) < len(members):
+        gone = ex.left(self.done)
+        if gone is not None:
+            kind, phrase = self._gone(gone)
+            self._fail_exchange(ex, kind, ex.left_text(gone, phrase))
+            return
+        if ex.missing:
             return
         del self.exchanges[key]
-        calls = sorted(ex.calls.values(), key=lambda c: c.group_rank)
-        why = calls[0].check_all(calls)
+        why = ex.verdict()
         if why is not None:
-            self._fail_exchange(
-                ex,
-                "mismatch",
-                f"collective mismatch on {ex.where}: {why}; calls: "
-                + "; ".join(f"rank {r} called {ex.calls[r].describe()}" for r in members),
-            )
+            self._fail_exchange(ex, "mismatch", why)
             return
-        for r, p in ex.posts.items():
+        for r, p in ex.sides:
             self._ok(r, p)
-
-    def _left_message(self, ex: _Exchange, gone: int, phrase: str) -> str:
-        waiting = "; ".join(f"rank {r} called {c.describe()}" for r, c in sorted(ex.calls.items()))
-        if gone in ex.calls:
-            return (
-                f"collective on {ex.where} cannot complete: rank {gone} {phrase} without waiting for its "
-                f"{ex.calls[gone].describe()}, and ranks {[r for r in ex.members if r not in ex.calls]} "
-                f"have not joined; {waiting}"
-            )
-        return f"collective on {ex.where} cannot complete: rank {gone} {phrase} without calling it; {waiting}"
 
     # -- point to point -------------------------------------------------------------------------------------
     def _p2p(
@@ -184,30 +141,19 @@ class _Referee:
         src, dst = (me, peer) if kind == "send" else (peer, me)
         key = (gid, src, dst, tag)
         peer_rank = members[peer]
-        self.pending[(rank, post_id)] = (what, key, peer_rank)
-        sends, recvs = self.transfers.setdefault(key, (deque(), deque()))
-        mine, theirs = (sends, recvs) if kind == "send" else (recvs, sends)
+        self.pending[(rank, post_id)] = (what, key, peer_rank, kind)
         entry = _Transfer(rank, post_id, meta, what)
-        if not theirs:
+        other = self.transfers.match(key, kind, entry)
+        if other is None:
             if peer_rank in self.done:
+                self.transfers.drop(lambda t: t is entry)
                 k, phrase = self._gone(peer_rank)
-                self._fail(
-                    rank,
-                    post_id,
-                    k,
-                    f"rank {rank} called {what}, but rank {peer_rank} {phrase} without a matching "
-                    f"{'recv' if kind == 'send' else 'send'}",
-                )
-                return
-            mine.append(entry)
+                self._fail(rank, post_id, k, matching.p2p_left_text(rank, what, kind, peer_rank, phrase))
             return
-        other = theirs.popleft()
         send, recv = (entry, other) if kind == "send" else (other, entry)
-        if _buffer(send.meta, self.strict_shapes) != _buffer(recv.meta, self.strict_shapes):
-            message = (
-                f"point-to-point mismatch on group {gid}: rank {send.rank} called {send.what} but rank "
-                f"{recv.rank} called {recv.what}"
-            )
+        if not matching.same_buffer(send.meta, recv.meta, self.strict_shapes):
+            where = f"group {matching.group_label(gid, members, self.world_size)}"
+            message = matching.p2p_mismatch_text(where, send.rank, send.what, recv.rank, recv.what)
             self._fail(send.rank, send.post_id, "mismatch", message)
             self._fail(recv.rank, recv.post_id, "mismatch", message)
             return
@@ -216,55 +162,32 @@ class _Referee:
 
     # -- ranks leaving, deadlocks ---------------------------------------------------------------------------
     def _done(self, rank: int, ok: bool, summary: str) -> None:
-        self.done[rank] = "finished its function" if ok else f"failed ({summary})"
+        self.done[rank] = FINISHED if ok else f"failed ({summary})"
         if not ok:
             self.failed.add(rank)
         self.blocked.pop(rank, None)
         kind, phrase = self._gone(rank)
         for ex in list(self.exchanges.values()):
-            if rank in ex.members and ex.error is None:  # its own side stays unanswered: it reports that
-                self._fail_exchange(ex, kind, self._left_message(ex, rank, phrase), skip=rank)
-        for sends, recvs in self.transfers.values():
-            for queue_ in (sends, recvs):
-                for t in [t for t in queue_ if t.rank == rank]:
-                    queue_.remove(t)  # left unmatched: the rank itself reports them
-        for (r, post_id), (what, _key, peer) in list(self.pending.items()):
+            if rank in ex.global_ranks and ex.error is None:  # its own side stays unanswered: it reports that
+                self._fail_exchange(ex, kind, ex.left_text(rank, phrase), skip=rank)
+        self.transfers.drop(lambda t: t.rank == rank)  # left unmatched: the rank itself reports them
+        for (r, post_id), (what, _key, peer, p2p_kind) in list(self.pending.items()):
             if r != rank and peer == rank:
-                self._fail(
-                    r, post_id, kind, f"rank {r} called {what}, but rank {rank} {phrase} without a matching transfer"
-                )
+                self._fail(r, post_id, kind, matching.p2p_left_text(r, what, p2p_kind, rank, phrase))
         self._send(rank, ("ack", self.run_id))
         self._detect_deadlock()
 
     def _needs(self, rank: int, post_id: int) -> list[int]:
-        _what, key, peer = self.pending[(rank, post_id)]
+        _what, key, peer, _kind = self.pending[(rank, post_id)]
         if peer is not None:
             return [peer]
         ex = self.exchanges.get(key)
-        return [r for r in ex.members if r not in ex.calls] if ex is not None else []
+        return ex.waiting_for() if ex is not None else []
 
     def _detect_deadlock(self) -> None:
-        if not self.blocked or len(self.blocked) + len(self.done) < self.world_size:
+        if not matching.everyone_waits(self.world_size, len(self.blocked), len(self.done)):
             return  # some rank is still running and may yet post what the others wait for
-        lines = []
-        for r in sorted(self.blocked):
-            what = self.pending[(r, self.blocked[r])][0]
-            needs = ", ".join(
-                f"rank {n} ("
-                + (
-                    self.done[n]
-                    if n in self.done
-                    else "waiting in " + self.pending[(n, self.blocked[n])][0]
-                    if n in self.blocked
-                    else "running"
-                )
-                + ")"
-                for n in self._needs(r, self.blocked[r])
-            )
-            lines.append(f"  rank {r} waits in {what} for {needs}")
-        message = (
-            "deadlock: every rank still running waits for a collective that cannot complete "
-            "(mismatched collectives, groups or peers):\n" + "\n".join(lines)
-        )
+        blocked = {r: (self.pending[(r, p)][0], self._needs(r, p)) for r, p in self.blocked.items()}
+        message = matching.deadlock_text(blocked, self.done)
         for r, post_id in list(self.blocked.items()):
             self._fail(r, post_id, "mismatch", message)

@@ -1,0 +1,265 @@
+"""What every collective shares: the ``Call`` base class, buffer copies, reductions, aliasing checks.
+
+Split from the per-collective classes (:mod:`.reducing`, :mod:`.gathering`) so that each file stays one
+readable unit; :mod:`dstest.worlds._collectives` re-exports every name (``C.AllReduce``, ``C.reduce_tensors``).
+The signature two ranks' buffers must share and the description of a buffer are the checking core's
+(:mod:`dstest.worlds.core.matching`), which compares them without torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from dstest.errors import InvalidArgument
+from dstest.worlds.core.matching import describe_tensor
+from dstest.worlds.core.matching import signature as _sig
+
+__all__ = [
+    "IN_PLACE_BYTES",
+    "Call",
+    "PremulSum",
+    "check_reduce",
+    "copy_flat",
+    "copy_tensors",
+    "describe_tensor",
+    "reduce_into",
+    "reduce_tensors",
+]
+
+
+def copy_tensors(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for each pair; many small tensors in one call of torch's foreach copy."""
+    srcs = [s if s.shape == d.shape else s.reshape(d.shape) for d, s in zip(dsts, srcs)]  # flat buffers
+    if len(dsts) > 8:
+        try:
+            torch._foreach_copy_(list(dsts), srcs)
+            return
+        except (RuntimeError, TypeError):
+            pass  # mixed devices or dtypes it does not take: one copy at a time (raises what copy_ raises)
+    for dst, src in zip(dsts, srcs):
+        dst.copy_(src)
+
+
+def _sum_step(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return out.logical_or_(t) if out.dtype == torch.bool else out.add_(t)
+
+
+def _product_step(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return out.logical_and_(t) if out.dtype == torch.bool else out.mul_(t)
+
+
+# One in-place step per reduce op; "avg" is "sum" then a division. Reductions fold in rank order into
+# one tensor: no stacked copy of every rank's input.
+_STEPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "sum": _sum_step,
+    "product": _product_step,
+    "min": lambda out, t: torch.minimum(out, t, out=out),
+    "max": lambda out, t: torch.maximum(out, t, out=out),
+    "band": lambda out, t: out.bitwise_and_(t),
+    "bor": lambda out, t: out.bitwise_or_(t),
+    "bxor": lambda out, t: out.bitwise_xor_(t),
+}
+_INTEGRAL_ONLY = frozenset({"band", "bor", "bxor"})
+_REDUCE_OPS = frozenset({*_STEPS, "avg", "premul_sum"})
+
+
+class PremulSum(str):
+    """The reduce op ``"premul_sum"`` with the calling rank's factor: every rank's input times its own factor,
+    summed (NCCL's ``ncclRedOpCreatePreMulSum``; FSDP2 uses it after ``set_gradient_divide_factor``). Equal
+    to ``"premul_sum"`` whatever the factor, so ranks match on the op as NCCL matches them."""
+
+    factor: Any
+
+    def __new__(cls, factor: Any) -> PremulSum:
+        self = super().__new__(cls, "premul_sum")
+        self.factor = factor
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PremulSum, (self.factor,))
+
+
+def _premul(op: str | None, t: torch.Tensor) -> torch.Tensor:
+    """A rank's operand of a reduction: its input, times its factor under ``premul_sum``."""
+    if isinstance(op, PremulSum):
+        factor = op.factor.to(t.device) if isinstance(op.factor, torch.Tensor) else op.factor
+        return (t.detach() * factor).to(t.dtype)
+    return t
+
+
+def check_reduce(op: str, dtype: torch.dtype) -> None:
+    """Raise InvalidArgument when reduce op ``op`` cannot reduce tensors of ``dtype``."""
+    if op not in _REDUCE_OPS:
+        raise InvalidArgument(
+            f"reduce op {op!r} is not supported by the threaded world; allowed: {sorted(_REDUCE_OPS)}"
+        )
+    if op in _INTEGRAL_ONLY and (dtype.is_floating_point or dtype.is_complex):
+        raise InvalidArgument(f"reduce op {op!r} on dtype={dtype}: only integer and bool tensors allowed")
+    if op == "premul_sum" and not (dtype.is_floating_point or dtype.is_complex):
+        raise InvalidArgument(f"reduce op 'premul_sum' on dtype={dtype}: only floating-point tensors allowed (as NCCL)")
+
+
+def reduce_into(op: str, out: torch.Tensor, others: Sequence[torch.Tensor], count: int) -> torch.Tensor:
+    """Fold ``others`` into ``out`` (which holds the first operand) in rank order; ``count`` operands in
+    all. Returns the tensor holding the result: ``out``, or a new one where the result's dtype differs
+    (integer "avg"). The op must have passed :func:`check_reduce`."""
+    step = _STEPS["sum" if op in ("avg", "premul_sum") else op]
+    for t in others:
+        t = t.detach()
+        step(out, t if t.shape == out.shape else t.reshape(out.shape))
+    if op != "avg":
+        return out
+    if out.dtype.is_floating_point or out.dtype.is_complex:
+        return out.div_(count)
+    return torch.div(out, count, rounding_mode="trunc")
+
+
+def reduce_tensors(op: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Reduce same-shaped tensors, in rank order, with a c10d reduce op name ('sum', 'avg', 'min', ...)."""
+    check_reduce(op, tensors[0].dtype)
+    return reduce_into(op, tensors[0].detach().clone(), tensors[1:], len(tensors))
+
+
+#: Messages from this size up are read in place (no staging copy) where no output aliases an input;
+#: below it the staging copy costs less than the aliasing checks.
+IN_PLACE_BYTES = 1 << 16
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+        return None
+
+
+def _outputs_apart(outs: Sequence[torch.Tensor], inps: Sequence[torch.Tensor]) -> bool:
+    """Whether the outputs share storage with no other output and no input (then writing one output
+    cannot change anything another rank's result is read from)."""
+    mine = [_storage(o) for o in outs]
+    if None in mine or len(set(mine)) != len(mine):
+        return False
+    theirs = {_storage(i) for i in inps}
+    return None not in theirs and not theirs.intersection(mine)
+
+
+def _large(t: torch.Tensor) -> bool:
+    return t.numel() * t.element_size() >= IN_PLACE_BYTES
+
+
+class Call:
+    """One rank's side of one collective."""
+
+    op: ClassVar[str] = "?"
+    reduce_op: str | None = None
+    root: int | None = None
+    #: Whether ranks' shapes must be equal too, not only their element counts (set by the world per run).
+    strict_shapes: bool = False
+
+    def __init__(self, group_rank: int, group_size: int) -> None:
+        self.group_rank = group_rank
+        self.group_size = group_size
+
+    # -- description -------------------------------------------------------------------------------
+    def details(self) -> str:
+        return ""
+
+    def describe(self) -> str:
+        extra = [self.details()]
+        if self.reduce_op is not None:
+            extra.append(f"op={self.reduce_op}")
+        if self.root is not None:
+            extra.append(f"root={self.root}")
+        return f"{self.op}({', '.join(e for e in extra if e)})"
+
+    # -- validation --------------------------------------------------------------------------------
+    def check_local(self) -> None:
+        """Raise InvalidArgument for sizes that are wrong on this rank alone."""
+
+    def key(self) -> tuple[Any, ...]:
+        """What every rank must agree on (compared against the first arrival)."""
+        return (self.op, self.reduce_op, self.root)
+
+    def sig(self, t: torch.Tensor) -> tuple[Any, ...]:
+        """What a buffer of this call must share with its peers' (see :func:`_sig`)."""
+        return _sig(t, self.strict_shapes)
+
+    def check_peer(self, first: Call) -> str | None:
+        """Return why this call cannot match ``first``, or None."""
+        if type(self) is not type(first):
+            return "different collectives"
+        if self.key() != first.key():
+            return "different arguments"
+        return None
+
+    def check_all(self, calls: Sequence[Call]) -> str | None:
+        """Checks that need every rank's call (pairings of all_to_all, per-rank gather sizes)."""
+        return None
+
+    # -- data ----------------------------------------------------------------------------------------
+    def combine(self, calls: Sequence[Call]) -> list[Any]:
+        return [None] * len(calls)
+
+    def deliver(self, calls: Sequence[Call]) -> dict[int, BaseException]:
+        """Steps 3 and 4 for every rank (by the last to arrive, grad mode off). Returns the group ranks
+        whose own output could not be written, with the error (each is raised on that rank only)."""
+        failed: dict[int, BaseException] = {}
+        for call, source in zip(calls, self.combine(calls)):
+            try:
+                call.finish(source)
+            except Exception as exc:  # a copy that fails (device, dtype) fails that rank's wait
+                failed[call.group_rank] = exc
+        return failed
+
+    def finish(self, source: Any) -> None:
+        """Copy this rank's result from ``source`` into its output tensors."""
+
+    def outputs(self) -> list[torch.Tensor]:
+        return []
+
+
+def _shapes(ts: Sequence[torch.Tensor]) -> str:
+    return "[" + ", ".join(describe_tensor(t) for t in ts) + "]"
+
+
+def copy_flat(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for tensors with the same number of elements, whatever their shapes (a flat buffer,
+    as gloo and NCCL move it)."""
+    dst.copy_(src if src.shape == dst.shape else src.reshape(dst.shape))
+
+
+def _check_root(call: Call) -> None:
+    assert call.root is not None
+    if not 0 <= call.root < call.group_size:
+        raise InvalidArgument(
+            f"{call.op}: root={call.root} is not a rank of the group (group ranks 0..{call.group_size - 1})"
+        )
+
+
+class _SingleTensorCall(Call):
+    """A collective over one input and one output tensor, one of them group-size times the other."""
+
+    def __init__(self, group_rank: int, group_size: int, out: torch.Tensor, inp: torch.Tensor) -> None:
+        super().__init__(group_rank, group_size)
+        self.out = out
+        self.inp = inp
+
+    def details(self) -> str:
+        return f"in={describe_tensor(self.inp)}, out={describe_tensor(self.out)}"
+
+    def _check_scaled(self, big_name: str, big: torch.Tensor, small_name: str, small: torch.Tensor) -> None:
+        if big.numel() != small.numel() * self.group_size:
+            raise InvalidArgument(
+                f"{self.op}: {big_name} has {big.numel()} elements, expected group size {self.group_size} "
+                f"x {small_name} {small.numel()} = {small.numel() * self.group_size}"
+            )
+        if self.out.dtype != self.inp.dtype:
+            raise InvalidArgument(f"{self.op}: output dtype {self.out.dtype} != input dtype {self.inp.dtype}")
+
+    def key(self) -> tuple[Any, ...]:
+        return (*super().key(), self.sig(self.inp), self.sig(self.out))
+
+    def outputs(self) -> list[torch.Tensor]:
+        return [self.out]

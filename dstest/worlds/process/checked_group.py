@@ -1,0 +1,312 @@
+"""The checked gloo group of the process world (``CheckedGroup``) and its work handles.
+
+torch-internal: subclasses ``dist._Work`` and ``dist.ProcessGroup`` and registers gloo as the group's C++
+backend. This module imports torch, so :mod:`dstest.worlds.process.checked` imports it only when the class
+is first needed, in a worker (the parent never does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d_c
+
+from dstest.errors import InvalidArgument
+from dstest.worlds import _collectives as C
+from dstest.worlds import torch_internals as _compat
+from dstest.worlds.core import c10d, matching
+from dstest.worlds.process.checker import _check_error, _Checker, _Record
+from dstest.worlds.process.messages import _Dev, _Meta
+
+__all__ = ["CheckedGroup", "CheckedWork", "DoneWork"]
+
+
+class CheckedWork(dist._Work):  # type: ignore[misc, name-defined]
+    """The handle of a checked call: waits for the verdict, then for the gloo work issued on it."""
+
+    def __init__(self, checker: _Checker, rec: _Record) -> None:
+        super().__init__()
+        self._checker = checker
+        self._rec = rec
+
+    def wait(self, timeout: Any = None) -> bool:
+        rec = self._rec
+        try:
+            self._checker.wait_verdict(rec)
+            if rec.inner is None:
+                return True
+            return bool(rec.inner.wait() if timeout is None else rec.inner.wait(timeout))
+        finally:
+            if rec.record is not None:
+                rec.record.waited()
+
+    def is_completed(self) -> bool:
+        rec = self._rec
+        done = rec.event.is_set() and (rec.inner is None or bool(rec.inner.is_completed()))
+        if done:
+            rec.waited = True
+        return done
+
+    def is_success(self) -> bool:
+        rec = self._rec
+        return self.is_completed() and rec.error is None and rec.issue_error is None
+
+    def exception(self) -> BaseException | None:
+        rec = self._rec
+        if rec.error is not None:
+            return _check_error(*rec.error)
+        return rec.issue_error
+
+    def result(self) -> list[Any]:
+        rec = self._rec
+        return list(rec.inner.result()) if rec.inner is not None else []
+
+    def source_rank(self) -> int:
+        return int(self._rec.inner.source_rank()) if self._rec.inner is not None else -1
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def get_future(self) -> Any:
+        rec = self._rec
+        rec.waited = True
+        fut, handed_out = _compat.linked_future()  # failed in C++ too when the call fails (DDP's reducer)
+
+        def resolve() -> None:
+            if rec.error is not None:
+                fut.set_exception(_check_error(*rec.error))
+            elif rec.issue_error is not None:
+                fut.set_exception(rec.issue_error)
+            elif rec.inner is None:
+                fut.set_result([])
+            else:
+
+                def forward(inner_fut: Any) -> None:
+                    try:
+                        fut.set_result(inner_fut.value())
+                    except Exception as exc:
+                        fut.set_exception(exc)
+
+                rec.inner.get_future().add_done_callback(forward)
+
+        with self._checker.lock:
+            if not rec.event.is_set():
+                rec.callbacks.append(resolve)
+                return handed_out
+        resolve()
+        return handed_out
+
+
+class DoneWork(dist._Work):  # type: ignore[misc, name-defined]
+    """Already complete: the coalesced forms, which wait for their parts before returning."""
+
+    def __init__(self, tensors: list[Any]) -> None:
+        super().__init__()
+        self._tensors = tensors
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def result(self) -> list[Any]:
+        return self._tensors
+
+    def get_future(self) -> Any:
+        fut: Any = torch.futures.Future()
+        fut.set_result(self._tensors)
+        return fut
+
+
+class _Metas:
+    """The process world hands a ``Call`` its tensors' metadata (what the referee compares; it pickles in
+    microseconds), see :class:`dstest.worlds.core.c10d.Buffers`."""
+
+    @staticmethod
+    def tensor(t: Any) -> _Meta:
+        return _Meta.of(t)
+
+    @staticmethod
+    def one(tensors: Sequence[Any], what: str) -> _Meta:
+        return _Meta.of(c10d.one_tensor(tensors, what))
+
+    @staticmethod
+    def each(tensors: Sequence[Any]) -> list[_Meta]:
+        return [_Meta.of(t) for t in tensors]
+
+    @staticmethod
+    def flat(tensors: Sequence[Any]) -> _Meta:
+        dtype = tensors[0].dtype if tensors else torch.float32
+        return _Meta(dtype, (sum(t.numel() for t in tensors),), _Dev("cpu"))
+
+    @staticmethod
+    def op(opts: Any) -> str:
+        return _compat.reduce_op_name(opts.reduceOp)
+
+    @staticmethod
+    def root(opts: Any) -> int:
+        return int(opts.rootRank)
+
+
+_METAS = _Metas()
+
+
+@c10d.install
+class CheckedGroup(dist.ProcessGroup):
+    """One rank's handle on one group of a gloo pool: every call is checked across ranks, then gloo runs it.
+
+    Between runs (the pool's own warm-up) calls go straight to gloo. The c10d methods (``allreduce``,
+    ``_allgather_base``, ``send``...) are made from the checking core's table (:mod:`dstest.worlds.core.c10d`),
+    as the threaded world's groups are: each builds the same ``Call``, of its tensors' metadata, and
+    :meth:`_c10d` posts it to the referee, then issues the same method to gloo once every rank matched it.
+    """
+
+    def __init__(self, inner: Any, rank: int, size: int, members: tuple[int, ...], gid: str, checker: _Checker) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) overload has no stub
+        self.inner = inner
+        self.rank_ = rank
+        self.size_ = size
+        self.members = members
+        self.gid = gid
+        self.checker = checker
+        self.seq = 0
+        self.seq_run = 0  # the run the sequence numbers count in (the world group outlives runs)
+        self._group_name = ""
+        self._group_desc = ""
+        self._split_store: Any = None
+        self.label = matching.group_label(gid, members, checker.world_size)
+        # C++ code that asks the group for its gloo backend by type (DDP's logger does) finds it; the
+        # collectives it issues still come through the methods below (torch calls them virtually).
+        self._register_backend(torch.device("cpu"), c10d_c.ProcessGroup.BackendType.GLOO, inner)
+        self._set_default_backend(c10d_c.ProcessGroup.BackendType.GLOO)
+
+    # -- what torch asks of a group ------------------------------------------------------------------
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_name(self) -> Any:
+        return self._group_name
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    def _get_backend(self, device: Any) -> Any:
+        return self
+
+    def getBackendName(self) -> str:
+        return "gloo"
+
+    def name(self) -> str:
+        return "gloo"
+
+    def shutdown(self) -> None:
+        pass
+
+    # -- torch 2.15's dist.split_group (gloo splits without a bound device since 2.15) ---------------
+    @property
+    def supports_splitting(self) -> bool:
+        return True
+
+    def split_group(
+        self,
+        ranks: list[int],
+        timeout: Any = None,
+        opts: Any = None,
+        group_name: str | None = None,
+        group_desc: str | None = None,
+        device_types: Any = None,
+    ) -> Any:
+        """``ProcessGroup.split_group``: the caller's part of a split, a checked gloo group of its own.
+
+        ``ranks`` are ranks in this group that include the caller (or, when no split does, the first
+        split: the caller then gets None, as from gloo). Only the new group's members connect, over
+        the parent's store under the new group's name, as gloo's own split does."""
+        from datetime import timedelta
+
+        from torch.distributed import distributed_c10d
+
+        if self.rank_ not in ranks:
+            return None
+        if group_name is None:
+            raise InvalidArgument("split_group needs the new group's name (torch's dist.split_group gives one)")
+        store = distributed_c10d._world.pg_map[self][1]
+        rank, size = ranks.index(self.rank_), len(ranks)
+        inner = c10d_c.ProcessGroupGloo(
+            c10d_c.PrefixStore(f"{group_name}/", store), rank, size, timeout or timedelta(minutes=30)
+        )
+        members = tuple(self.members[r] for r in ranks)
+        group = CheckedGroup(inner, rank, size, members, group_name, self.checker)
+        group._group_name, group._group_desc = group_name, group_desc or ""
+        group._split_store = c10d_c.PrefixStore(f"{group_name}/", store)
+        return group
+
+    def get_group_store(self) -> Any:
+        """The store a split group was made over (torch records it for the group)."""
+        return self._split_store
+
+    # -- checking --------------------------------------------------------------------------------------
+    def _next_seq(self) -> int:
+        if self.seq_run != self.checker.run_id:
+            self.seq_run, self.seq = self.checker.run_id, 0
+        self.seq += 1
+        return self.seq
+
+    def _post(self, call: Any, issue: Callable[[], Any]) -> Any:
+        checker = self.checker
+        if not checker.active:
+            return issue()
+        call.check_local()
+        seq = self._next_seq()
+        what = f"{call.describe()} on {matching.collective_where(self.label, seq)}"
+        record = checker.recorder.collective(self, call, seq, self.members[self.rank_])
+        rec = checker.post(("post", self.gid, self.members, seq, call), what, issue, record)
+        return CheckedWork(checker, rec)
+
+    def _p2p(self, kind: str, t: Any, peer: int, tag: int, issue: Callable[[], Any]) -> Any:
+        checker = self.checker
+        if not checker.active:
+            return issue()
+        c10d.check_peer_rank(kind, peer, self.size_, f"group {self.label}")
+        what = matching.p2p_describe(kind, t, self.members[peer], tag, f"group {self.label}")
+        msg = ("p2p", self.gid, self.members, kind, self.rank_, peer, tag, _Meta.of(t), what)
+        record = checker.recorder.p2p(self, kind, t, self.members[peer], tag, self.members[self.rank_])
+        return CheckedWork(checker, checker.post(msg, what, issue, record))
+
+    # -- collectives: every c10d method comes from the checking core's table (core.c10d.install) --------
+    def _c10d(self, method: c10d.Method, args: dict[str, Any]) -> Any:
+        """One c10d method (``method``, with its arguments by name): checked, then issued to gloo as called."""
+        if method.options and args["opts"] is None:
+            args["opts"] = getattr(c10d_c, method.options)()
+
+        def issue() -> Any:
+            return getattr(self.inner, method.name)(*[args[p] for p in method.params])
+
+        if method.kind == "p2p":
+            t = c10d.one_tensor(args["tensors"], method.name)
+            return self._p2p(method.name, t, int(args[method.params[1]]), int(args["tag"]), issue)
+        if method.kind == "coalesced":
+            # Coalesced forms run as consecutive checked collectives, in list order, on every rank.
+            part = getattr(self, method.part)
+            for work in [part(o, i, args["opts"]) for o, i in zip(args["outputs"], args["inputs"])]:
+                work.wait()
+            return DoneWork(args["outputs"])
+        assert method.args is not None
+        return self._post(C.CALLS[method.op](self.rank_, self.size_, *method.args(_METAS, args)), issue)
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        self.barrier().wait()
