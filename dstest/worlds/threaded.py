@@ -2,7 +2,8 @@
 
 Every collective call is matched across ranks by (group, sequence number) in a :class:`Session`
 (``_session.py``); the groups are dstest's c10d backend (``_backend.py``); reports and stopping threads are
-in ``_failures.py``. This module holds what is the threaded world's own: the rank threads, warm crews that
+in ``_failures.py``; the RNG hand-over and the watch on module globals are the session's
+(``threaded_session.py``). This module holds what is the threaded world's own: the rank threads, warm crews that
 keep them between runs, and the run loop:
 
 - a rank that raises aborts the world; ranks still running are interrupted at once (WorldAborted raised
@@ -42,6 +43,7 @@ from dstest.worlds._backend import BACKEND_NAME, binding, rank_process_group, re
 from dstest.worlds._failures import Outcome, interrupt, reap, stacks_of, stuck_threads, timeout_error
 from dstest.worlds._session import Session
 from dstest.worlds.request import RunRequest
+from dstest.worlds.threaded_session import ThreadedSession
 
 __all__ = ["BACKEND_NAME", "ThreadedWorld", "c10d_state", "shutdown_all", "stuck_threads", "warm_thread_cap"]
 
@@ -163,163 +165,6 @@ def _seed_hook(seed: Any) -> None:
     claim = getattr(getattr(binding, "session", None), "claim_rng", None)  # the fake world's has none
     if claim is not None:
         claim(binding.rank)
-
-
-#: Packages whose module globals are not the code under test's (dstest's own, torch's, the test runner's).
-_NOT_LIBRARY_STATE = frozenset({"dstest", "torch", "_pytest", "pytest", "pluggy", "hypothesis", "threading"})
-
-
-def _group_in(value: Any, session: Any) -> Any:
-    """A group of ``session`` that ``value`` is or holds directly (a list, tuple or dict of groups), or None."""
-    from dstest.worlds._backend import Group
-
-    if isinstance(value, Group):
-        return value if value.session is session else None
-    if isinstance(value, (list, tuple)):
-        return next((v for v in value if isinstance(v, Group) and v.session is session), None)
-    if isinstance(value, dict):
-        return next((v for v in value.values() if isinstance(v, Group) and v.session is session), None)
-    return None
-
-
-class _SharedGlobals:
-    """Module globals that hold a rank's process group, seen from the modules that create groups.
-
-    Each time a rank makes a group, the modules on its stack outside torch and dstest (the library calling
-    ``new_group``: Megatron's ``parallel_state``) are watched, and their globals are looked through for this
-    world's groups: a library that keeps its groups there (``_TENSOR_MODEL_PARALLEL_GROUP = group``) holds
-    one rank's group for every rank thread, where each process has its own. Looked at when groups are made
-    (a library makes many in a row), never per collective; named in a failure report.
-    """
-
-    def __init__(self) -> None:
-        self.watched: dict[str, dict[str, Any]] = {}
-        self.found: dict[str, str] = {}
-        self.failed_in: str | None = None
-
-    def group_made(self, session: Any) -> None:
-        import sys
-
-        frame = sys._getframe(1)
-        while frame is not None:
-            name = frame.f_globals.get("__name__", "")
-            if isinstance(name, str) and name.split(".", 1)[0] not in _NOT_LIBRARY_STATE:
-                self.watched.setdefault(name, frame.f_globals)
-            frame = frame.f_back  # type: ignore[assignment]
-        self.look(session)
-
-    def look(self, session: Any) -> None:
-        for name, module_globals in list(self.watched.items()):
-            for attr, value in list(module_globals.items()):
-                group = _group_in(value, session)
-                if group is not None and f"{name}.{attr}" not in self.found:
-                    self.found[f"{name}.{attr}"] = f"rank {group.owner}'s group {group.label}"
-
-    def failed(self, session: Any, exc: BaseException) -> None:
-        """A rank failed: look again, and remember where, if it failed in a module that makes groups."""
-        self.look(session)
-        tb = exc.__traceback__
-        while tb is not None:
-            frame = tb.tb_frame
-            name = frame.f_globals.get("__name__", "")
-            if name in self.watched and frame.f_globals is self.watched[name]:
-                self.failed_in = f"{name}.{frame.f_code.co_name}"
-            tb = tb.tb_next
-
-    def note(self) -> str:
-        if not self.found and self.failed_in is not None:
-            return (
-                f"\nnote: the rank failed in {self.failed_in}, code of a module that makes this world's process "
-                "groups. Rank threads share a module's globals, where each process of a world has its own: if it "
-                "keeps its groups or state there (as Megatron's parallel_state does), every rank sees one rank's. "
-                'Run such code with world="process" (@dstest.spec(worlds=["process"])).'
-            )
-        if not self.found:
-            return ""
-        items = [f"{where} ({what})" for where, what in self.found.items()]
-        shown = "; ".join(items[:4]) + (f"; and {len(items) - 4} more" if len(items) > 4 else "")
-        return (
-            f"\nnote: module globals held this world's process groups: {shown}. Rank threads share a module's "
-            "globals, where each process of a world has its own, so a library that keeps its groups there (as "
-            "Megatron's parallel_state does) sees one rank's state on every rank. Run such code with "
-            'world="process" (@dstest.spec(worlds=["process"])).'
-        )
-
-
-class ThreadedSession(Session):
-    """A session of rank threads: adds the process-wide RNG hand-over between ranks."""
-
-    def __init__(self, world_size: int) -> None:
-        super().__init__(world_size)
-        self._rng = threading.Lock()
-        self._rng_owner: int | None = None
-        self._rng_left: tuple[int, torch.Tensor] | None = None  # the last seeding rank, and the RNG it left
-        self._rng_unheld: int | None = None  # a seeding rank after whose release the RNG was drawn from
-        self.shared_globals = _SharedGlobals()
-
-    def register_group(self, group: Any) -> None:
-        super().register_group(group)
-        _compat.hold_late_imports()
-        self.shared_globals.group_made(self)
-
-    def claim_rng(self, rank: int) -> None:
-        if self._rng_owner == rank:
-            return
-        while not self._rng.acquire(timeout=0.05):
-            self._check_alive(rank)
-        self._rng_owner = rank
-        self._note_unheld_draws()
-
-    def _note_unheld_draws(self) -> None:
-        """Whether the global RNG moved since a seeding rank let it go (draws no rank held it for)."""
-        left = self._rng_left
-        if left is not None and self._rng_unheld is None and not torch.equal(torch.default_generator.get_state(), left[1]):
-            self._rng_unheld = left[0]
-
-    def release_rng(self, rank: int) -> None:
-        if self._rng_owner == rank:
-            self._rng_left = (rank, torch.default_generator.get_state())
-            self._rng_owner = None
-            self._rng.release()
-
-    def rng_note(self) -> str:
-        """For a failure report: whether ranks drew from torch's one global RNG after a seeding rank let it go
-        at a collective (then the rank threads' draws interleave, where each process has an RNG of its own)."""
-        if self.world_size < 2:
-            return ""
-        self._note_unheld_draws()
-        rank = self._rng_unheld
-        if rank is None:
-            return ""
-        return (
-            f"\nnote: rank {rank} seeded torch's global RNG (torch.manual_seed) and the ranks drew from it after a "
-            "collective; rank threads share that one RNG, so those draws interleave across ranks (each process "
-            "of a world has its own) and per-rank random values differ from a world of processes. Seed again "
-            "after the collective, draw with a generator of your own or ctx.generator / ctx.randn, or run the "
-            'spec with worlds=["process"].'
-        )
-
-    def reset(self) -> None:
-        super().reset()
-        self._rng_left = self._rng_unheld = None
-        self.shared_globals = _SharedGlobals()
-        if self._rng_owner is not None:
-            self._rng_owner = None
-            self._rng.release()
-
-    # A rank gives the RNG up as it enters any collective, transfer or wait: every rank has then drawn
-    # what it drew between its seed and this point, in one piece.
-    def arrive(self, group: Any, call: Any) -> Any:
-        self.release_rng(group.owner)
-        return super().arrive(group, call)
-
-    def post_p2p(self, group: Any, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        self.release_rng(group.owner)
-        return super().post_p2p(group, kind, tensor, peer, tag)
-
-    def wait(self, waitable: Any) -> None:
-        self.release_rng(waitable.global_rank)
-        super().wait(waitable)
 
 
 class _Countdown:
