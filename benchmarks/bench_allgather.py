@@ -1,4 +1,4 @@
-"""Compaction of a padded allgather (SPEC D5, D6), measured side by side in one process.
+"""Compaction of a padded allgather (contract D5, D6), measured side by side in one process.
 
 For each layout (per-rank counts over W ranks, the padded buffer W * max(counts) elements) it times,
 writing into the same preallocated output:

@@ -4,7 +4,7 @@
 
 For every (stage, op, compute_grad_norm) one engine is built in the same threaded world, and the engines
 take their steps round-robin (step k of every variant before step k+1 of any), so all variants share the
-same machine conditions. Per variant: the collectives one step issues (counted by the engine, SPEC C6)
+same machine conditions. Per variant: the collectives one step issues (counted by the engine, contract C6)
 and the median per-step time (forward, backward with reduction, step) on rank 0. Reported as ratios:
 false/true (compute_grad_norm) and sum/mean, for time and for collective counts.
 """

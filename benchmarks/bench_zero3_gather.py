@@ -1,4 +1,4 @@
-"""Stage-3 parameter gather (SPEC D3, D4, D6): the cached padded gather against allocate-and-copy.
+"""Stage-3 parameter gather (contract D3, D4, D6): the cached padded gather against allocate-and-copy.
 
     python benchmarks/bench_zero3_gather.py [--world-sizes 2,4] [--sizes 169,65537,1048583,4194319]
                                             [--group-sizes 65,13,169,13,13,13,65,5] [--reps 30]

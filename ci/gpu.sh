@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot checks for a machine with a GPU (SPEC D5, D6 and every `gpu`-marked test of the repo).
+# One-shot checks for a machine with a GPU (contract D5, D6 and every `gpu`-marked test of the repo).
 #
 # Expects: a CUDA build of torch (2.11+, CUDA 13), nvcc (CUDA_HOME, default /usr/local/cuda), the
 # project's Python dependencies installed; needs no network. Steps, each with its own time limit and

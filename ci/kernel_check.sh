@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Checks of the CUDA compaction kernel alone (SPEC D5), with nvcc only: no GPU, no CUDA build of torch.
+# Checks of the CUDA compaction kernel alone (contract D5), with nvcc only: no GPU, no CUDA build of torch.
 #
 # 1. compile: csrc/allgather_compact.cu for sm_80 and sm_90, every warning an error, register spills and
 #    local memory use included (the .cu includes no torch headers: about 2-4 s);

@@ -1,6 +1,6 @@
 """``dstest`` / ``python -m dstest``: the conformance run.
 
-Runs the bundled specs (``dstest.conformance``, the contracts of SPEC.md) against one or more targets, worlds and
+Runs the bundled specs (``dstest.conformance``, the contracts of docs/contracts.md) against one or more targets, worlds and
 world sizes, prints a table (spec x world size: pass / FAIL / DEV / skip, with times) and writes JSON and
 JUnit XML for CI systems and a self-contained HTML page for people. Exit code 1 when a spec fails on a
 target; deviations of a third-party target (DeepSpeed) are findings, reported but not failing unless
@@ -115,7 +115,7 @@ def pytest_args(
 ) -> list[str]:
     """The pytest command line of one target's conformance run (what the CLI flags translate to).
 
-    ``keyword`` is pytest's ``-k`` expression (spec names, parameter ids and SPEC contracts are keywords,
+    ``keyword`` is pytest's ``-k`` expression (spec names, parameter ids and contracts are keywords,
     e.g. ``A1`` or ``B4 and not fp16``); a glob (``B*``, ``*sum*``) selects by spec name or contract
     instead (``--dstest-specs``). ``plugins`` are modules loaded with ``-p`` (e.g. one implementing
     ``pytest_dstest_targets``). The run uses no ini file and no cache, wherever it is started.

@@ -105,9 +105,9 @@ class WorkerDied(DstestError, RuntimeError):
 
 
 class Deviation(DstestError, AssertionError):
-    """A third-party target behaves differently from a contract of SPEC.md (a finding, not a bug of dstest).
+    """A third-party target behaves differently from a contract of docs/contracts.md (a finding, not a bug of dstest).
 
-    ``contract`` is the SPEC number, ``expected`` and ``got`` the evidence.
+    ``contract`` is the contract number (docs/contracts.md), ``expected`` and ``got`` the evidence.
     """
 
     def __init__(self, contract: str, expected: object, got: object, explanation: str = "") -> None:

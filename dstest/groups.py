@@ -14,7 +14,7 @@ from dstest.errors import InvalidArgument
 
 __all__ = ["TOPOLOGIES", "GroupBuilder", "topologies_for"]
 
-#: The four cases every optional-group call site must handle (SPEC A1-A4).
+#: The four cases every optional-group call site must handle (contract A1-A4).
 TOPOLOGIES = ("absent", "single", "non_member", "multi")
 
 
@@ -45,7 +45,7 @@ class GroupBuilder:
         return dist.new_group(ranks)
 
     def absent(self) -> None:
-        """No group: the parallel dimension does not exist (SPEC A1)."""
+        """No group: the parallel dimension does not exist (contract A1)."""
         return None
 
     def world(self) -> Any:
@@ -58,7 +58,7 @@ class GroupBuilder:
         return self._new(ranks)
 
     def excluding(self, *ranks: int) -> Any:
-        """A group of every rank except ``ranks``; the excluded ranks are non-members (SPEC A4)."""
+        """A group of every rank except ``ranks``; the excluded ranks are non-members (contract A4)."""
         keep = [r for r in range(self.world_size) if r not in set(ranks)]
         if not keep:
             raise InvalidArgument(
@@ -67,7 +67,7 @@ class GroupBuilder:
         return self._new(keep)
 
     def single(self) -> Any:
-        """A one-rank group holding only the caller (SPEC A3). Creates one such group per rank, once."""
+        """A one-rank group holding only the caller (contract A3). Creates one such group per rank, once."""
         if self._singles is None:
             self._singles = [self._new([r]) for r in range(self.world_size)]
         return self._singles[self.rank]

@@ -22,7 +22,7 @@ from dstest.errors import InvalidArgument
 
 __all__ = ["GLOO_KINDS", "KINDS", "Op", "Program", "execute", "op_inputs", "reference"]
 
-#: Every kind of op a program can hold (SPEC E1).
+#: Every kind of op a program can hold (contract E1).
 KINDS = (
     "all_reduce",
     "broadcast",

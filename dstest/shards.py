@@ -1,8 +1,8 @@
 """Shard layouts: how N elements are split across W ranks.
 
 ``padded(n, w)``: every rank holds P = ceil(N / W) elements, the tail of the last shards is zero padding
-(ZeRO-3's layout, SPEC D1). ``uneven(counts)``: rank r holds exactly ``counts[r]`` elements, zero allowed
-(an allgather-v, SPEC D5).
+(ZeRO-3's layout, contract D1). ``uneven(counts)``: rank r holds exactly ``counts[r]`` elements, zero allowed
+(an allgather-v, contract D5).
 """
 
 from __future__ import annotations

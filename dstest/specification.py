@@ -297,7 +297,7 @@ def spec(
 
     ``worlds`` defaults to :data:`dstest.worlds.DEFAULT_WORLDS` (threaded on CPU, NCCL on GPUs);
     ``timeout`` (seconds, see :func:`dstest.worlds.protocol.check_timeout`) overrides ``--dstest-timeout``;
-    ``contract`` names the SPEC.md line the spec checks (shown in reports). ``async_hazards=True``
+    ``contract`` names the docs/contracts.md line the spec checks (shown in reports). ``async_hazards=True``
     poisons the outputs of async collectives and irecvs until they are waited (see
     :mod:`dstest.worlds._hazards`; threaded worlds only, like ``--dstest-async-hazards``).
     ``strict_shapes=True`` also refuses collectives whose ranks' buffers differ only in shape (gloo and
@@ -311,7 +311,7 @@ def spec(
     names = _as_worlds(worlds)
     seconds = None if timeout is None else check_timeout(timeout)
     if contract is not None and not isinstance(contract, str):
-        raise InvalidArgument(f"contract={contract!r}: must be a str naming a SPEC.md line (e.g. 'A4'), or None")
+        raise InvalidArgument(f"contract={contract!r}: must be a str naming a contract of docs/contracts.md (e.g. 'A4'), or None")
     check_async_hazards(async_hazards, names)
     check_strict_shapes(strict_shapes)
 

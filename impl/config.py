@@ -7,7 +7,7 @@ and what is allowed. Settings that impl accepts only so that their specific conf
 (``zero_optimization.offload_optimizer``, ``zero_optimization.zenflow``, ``compile.deepcompile``) raise
 :class:`NotSupportedError` (a ``ConfigError``) when enabled in any other combination.
 
-Rejected combinations (SPEC numbers):
+Rejected combinations (contract numbers, docs/contracts.md):
 
 ======  ===========================================================================================
 B1      ``gradient_allreduce_op`` not one of "mean", "sum" (compared case-insensitively)

@@ -55,7 +55,7 @@ def initialize(
     the default (world) group when torch.distributed is initialised, and a single process otherwise.
 
     ``mp_group``: the model-parallel (tensor-parallel) group, an optional dimension: ``None`` means no
-    model parallelism (SPEC A1). A single-rank group and a group the caller is not a member of also mean
+    model parallelism (contract A1). A single-rank group and a group the caller is not a member of also mean
     "not parallel" (A3, A4). Parameters with ``tensor_model_parallel = True`` are shards; the others are
     replicated across the group and counted once in the global norm.
 

@@ -1,4 +1,4 @@
-"""The uneven-shard allgather and its compaction op (SPEC D5, D6).
+"""The uneven-shard allgather and its compaction op (contract D5, D6).
 
 The native ops (C++ on CPU, one CUDA kernel on GPU) are checked against the pure-torch references on
 layouts hypothesis draws; the allgather itself runs on a real gloo group of spawned processes. Tests
@@ -341,7 +341,7 @@ def test_shard_size() -> None:
 @pytest.mark.cpu
 @pytest.mark.parametrize("impl", ["native", "reference"])
 def test_allgather_v_single_rank(native_ops: ExtensionInfo, impl: str) -> None:
-    """D5: W = 1 (group=None, SPEC A1) issues no collective; zero-size shards and out= work."""
+    """D5: W = 1 (group=None, contract A1) issues no collective; zero-size shards and out= work."""
     local = values(6, torch.float32).view(2, 3)
     assert torch.equal(allgather_v(local, [6], impl=impl), local.reshape(-1))  # type: ignore[arg-type]
     assert allgather_v(torch.empty(0), [0]).shape == (0,)

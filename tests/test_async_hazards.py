@@ -1,4 +1,4 @@
-"""Async hazards (SPEC G3): with the opt-in mode, an unwaited async output holds poison, so reading it
+"""Async hazards (contract G3): with the opt-in mode, an unwaited async output holds poison, so reading it
 before ``wait()`` fails the same way on every run; correct overlap code passes unchanged."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Counts and bytes per collective and group for assertions (SPEC G2): ``ctx.comm`` in every world.
+"""Counts and bytes per collective and group for assertions (contract G2): ``ctx.comm`` in every world.
 
 Every expected value here is computed by hand from the shapes the body passes (what each collective
 counts is the table in :mod:`dstest.trace`).

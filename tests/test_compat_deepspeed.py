@@ -1,4 +1,4 @@
-"""SPEC F1: the DeepSpeed test-suite plugin (``-p dstest.compat.deepspeed``) on small DistributedTest-style
+"""contract F1: the DeepSpeed test-suite plugin (``-p dstest.compat.deepspeed``) on small DistributedTest-style
 suites (and E3, E10 for the failure, hang and isolation cases).
 
 Each test writes a suite of the shape DeepSpeed's tests have (a ``unit/common.py`` with ``DistributedExec``,

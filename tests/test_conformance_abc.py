@@ -1,4 +1,4 @@
-"""Collects the bundled specs of SPEC.md parts A, B (stage 3 included) and C (run against
+"""Collects the bundled specs of docs/contracts.md parts A, B (stage 3 included) and C (run against
 ``--dstest-target``, impl by default)."""
 
 from dstest.conformance.grad_norm import *  # noqa: F403

@@ -1,5 +1,5 @@
 """impl's collectives are all counted: the uneven-shard allgather goes through :mod:`impl.comm.collectives`
-(so a :class:`~impl.comm.CommStats` sees it, SPEC C6 and A8 are counted, not assumed), and no other module
+(so a :class:`~impl.comm.CommStats` sees it, contract C6 and A8 are counted, not assumed), and no other module
 of impl calls a ``torch.distributed`` collective itself.
 """
 

@@ -1,4 +1,4 @@
-"""impl's stage-3 pieces checked directly (SPEC D1-D6): the partitioner, the registration check, the
+"""impl's stage-3 pieces checked directly (contract D1-D6): the partitioner, the registration check, the
 gatherer and its buffer pool, and the native allgather-v ops.
 
 These checks ask questions about buffers, launches and collectives that only impl can answer, so they are

@@ -1,4 +1,4 @@
-"""The non-contiguous call-site specs (dstest/conformance/non_contiguous.py, SPEC A7 at the call sites of A6).
+"""The non-contiguous call-site specs (dstest/conformance/non_contiguous.py, contract A7 at the call sites of A6).
 
 They run against impl in the conformance suite (tests/test_conformance_abc.py). Here: their layouts really
 are views that are not contiguous, and each spec goes red on the bug it exists for, a reduction whose result

@@ -1,4 +1,4 @@
-"""SPEC E1 with gloo as the oracle: the same collective programs through a warm gloo process group and
+"""contract E1 with gloo as the oracle: the same collective programs through a warm gloo process group and
 through the threaded world must leave every rank with the same tensors.
 
 Both worlds draw identical inputs from (seed, step, rank); one gloo pool per world size serves every

@@ -1,4 +1,4 @@
-"""The wheel carries the native ops' sources where :mod:`impl.ops._build` looks for them (SPEC D5).
+"""The wheel carries the native ops' sources where :mod:`impl.ops._build` looks for them (contract D5).
 
 The kernel sources stay in the repository's top-level ``csrc/``; ``pyproject.toml`` maps them into the
 data-only package ``impl.ops.csrc``, so a wheel holds them at ``impl/ops/csrc/``, which

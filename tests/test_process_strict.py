@@ -1,4 +1,4 @@
-"""The process world is as strict as the threaded one (SPEC E10, E11 for the cap; issue 10): every gloo call is checked across ranks.
+"""The process world is as strict as the threaded one (contract E10, E11 for the cap; issue 10): every gloo call is checked across ranks.
 
 Each test runs a small broken program on the warm gloo pool of 2 ranks and asserts the error's type, on
 which ranks it was raised and what it names; never how long it took (timings live in

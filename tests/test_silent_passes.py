@@ -1,4 +1,4 @@
-"""Hardening in the style of issue 10's probes (SPEC E2, E9, E10): a generator of *broken* rank bodies.
+"""Hardening in the style of issue 10's probes (contract E2, E9, E10): a generator of *broken* rank bodies.
 
 Each drawn body breaks a run in one of the ways a realistic user does (orphan async work, a caught
 mismatch, a rank that skips a collective and finishes, an error while a peer spins, a shape, dtype, op or

@@ -1,5 +1,5 @@
 """The threaded world behaves like a world of processes where torch's stacks rely on it, and passes nothing
-that did not run, did not match or lost its error (SPEC E3-E12 on the threaded world; issue 9 items 3-7,
+that did not run, did not match or lost its error (contract E3-E12 on the threaded world; issue 9 items 3-7,
 issue 10). Each section names the contracts it checks.
 
 Every desync test asserts the error and that the world's timeout was *not* what ended it.

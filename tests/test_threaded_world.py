@@ -1,4 +1,4 @@
-"""The threaded world against SPEC E1-E5 (the gloo oracle comparison lives in test_oracle_gloo.py)."""
+"""The threaded world against contract E1-E5 (the gloo oracle comparison lives in test_oracle_gloo.py)."""
 
 from __future__ import annotations
 

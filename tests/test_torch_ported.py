@@ -1,4 +1,4 @@
-"""A sample of torch's own threaded-group tests, rewritten as dstest specs (SPEC E6; issue 9, item 8).
+"""A sample of torch's own threaded-group tests, rewritten as dstest specs (contract E6; issue 9, item 8).
 
 torch runs these bodies on its private threaded process group (``MultiThreadedTestCase``,
 ``spawn_threads_and_init_comms``, ``FSDPTestMultiThread``, ``DTensorOpTestBase``), most at one world size

@@ -1,4 +1,4 @@
-"""torch's own stacks on dstest's CPU worlds (SPEC E6; issue 9, items 2 and 8).
+"""torch's own stacks on dstest's CPU worlds (contract E6; issue 9, items 2 and 8).
 
 Each spec is what a user of DeviceMesh, DTensor, functional collectives, FSDP2, tensor parallel, DDP,
 FSDP1, DCP, pipelining or the object collectives would write: run the distributed code on every rank and

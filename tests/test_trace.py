@@ -1,4 +1,4 @@
-"""The collective trace (SPEC G1): Chrome-trace JSON of a run, and each rank's last calls in failure reports."""
+"""The collective trace (contract G1): Chrome-trace JSON of a run, and each rank's last calls in failure reports."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Zero silent passes at the entry points (SPEC E9 for bodies that do not run, and SPEC's "clear error"; issue 10): every argument is checked, every body really runs.
+"""Zero silent passes at the entry points (contract E9 for bodies that do not run, and the contracts' "clear error"; issue 10): every argument is checked, every body really runs.
 
 Covers ``dstest.run``, ``@dstest.spec``, the fixtures, every ``--dstest-*`` option, the ``dstest`` CLI and
 ``RunRequest`` (what every ``World.run`` takes): timeouts must be finite positive numbers of

@@ -1,4 +1,4 @@
-"""The bundled conformance specs: the contracts of SPEC.md that any target can meet (impl, DeepSpeed, ...).
+"""The bundled conformance specs: the contracts of docs/contracts.md that any target can meet (impl, DeepSpeed, ...).
 
 Modules: ``optional_groups`` (A1-A8), ``non_contiguous`` (A5-A7 at the call sites of A6 with the views
 real models pass), ``grad_reduction`` (B1-B9, stage 3 included), ``grad_norm``

@@ -119,7 +119,7 @@ class WideNet(torch.nn.Module):
         return out
 
 
-#: Parameter sizes that break naive partitioning (SPEC D1), as functions of W.
+#: Parameter sizes that break naive partitioning (contract D1), as functions of W.
 SIZE_KINDS: dict[str, Callable[[int], tuple[int, ...]]] = {
     "0": lambda w: (0,),
     "1": lambda w: (1,),

@@ -1,4 +1,4 @@
-"""SPEC part C: ``zero_optimization.compute_grad_norm`` (the gradient-norm fast path) and overflow protection."""
+"""contracts part C: ``zero_optimization.compute_grad_norm`` (the gradient-norm fast path) and overflow protection."""
 
 from __future__ import annotations
 

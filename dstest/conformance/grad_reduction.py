@@ -1,4 +1,4 @@
-"""SPEC part B: ``gradient_allreduce_op`` "mean" | "sum" at stages 0-2, and B2 and B8 at stage 3.
+"""contracts part B: ``gradient_allreduce_op`` "mean" | "sum" at stages 0-2, and B2 and B8 at stage 3.
 
 The stage-3 specs (``test_b2_stage3_*``, ``test_b8_stage3_*``) use :class:`Hidden13` (hidden size 13) and
 skip a target without the "stage3" feature; their reduction paths are

@@ -1,4 +1,4 @@
-"""SPEC A5-A7 at every call site of A6, with the non-contiguous tensors real models give them.
+"""contract A5-A7 at every call site of A6, with the non-contiguous tensors real models give them.
 
 The specs of :mod:`dstest.conformance.optional_groups` drive each call site with contiguous tensors. Models hand
 it views instead: weights kept ``[in, out]`` and used as ``w.t()``, features-first activations read as

@@ -1,4 +1,4 @@
-"""SPEC part A: optional process groups (absent, single-rank, non-member, multi-rank) and the W = 1 path.
+"""contracts part A: optional process groups (absent, single-rank, non-member, multi-rank) and the W = 1 path.
 
 Each call site is run on every topology of :data:`dstest.groups.TOPOLOGIES` the world size allows, and
 compared with an fp64 computation on the full (unsharded) tensors.

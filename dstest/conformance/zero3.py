@@ -1,4 +1,4 @@
-"""SPEC part D through the engine: ZeRO-3 partitioning (D1), training (D7) and memory (D8).
+"""contracts part D through the engine: ZeRO-3 partitioning (D1), training (D7) and memory (D8).
 
 Every spec here drives ``ctx.target`` only and skips a target without stage 3 (or without the accessors it
 reads). What the implementation's own pieces do with buffers, launches and the registration check (D1-D6

@@ -165,7 +165,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         OPT_SPECS,
         default=None,
         metavar="GLOB",
-        help="keep only specs whose function name or SPEC contract matches this glob (e.g. 'B*', '*sum*')",
+        help="keep only specs whose function name or contract matches this glob (e.g. 'B*', '*sum*')",
     )
     group.addoption(
         OPT_SEED,
@@ -459,7 +459,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     reports = terminalreporter.stats.get(DEVIATION, [])
     if not reports or config.option.tbstyle == "no":
         return
-    terminalreporter.write_sep("=", f"DEVIATIONS of target {settings(config).target!r} from SPEC.md", yellow=True)
+    terminalreporter.write_sep("=", f"DEVIATIONS of target {settings(config).target!r} from the contracts (docs/contracts.md)", yellow=True)
     for report in reports:
         terminalreporter.write_sep("_", report.head_line or report.nodeid, yellow=True)
         terminalreporter.line(report.longreprtext)

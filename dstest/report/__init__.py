@@ -5,7 +5,7 @@ a *deviation* (``pytest_runtest_makereport``), and the ``dstest`` command, which
 :class:`ConformanceReport` registered, reads the same mark. So ``pytest --dstest-target=X dstest/conformance``
 and ``dstest --target X`` count the same passes, failures, deviations and skips.
 
-A deviation is the target breaking a SPEC.md contract (an assertion in the spec, or the target's own
+A deviation is the target breaking a docs/contracts.md contract (an assertion in the spec, or the target's own
 ValueError/TypeError/NotImplementedError, or a :class:`dstest.errors.Deviation` an adapter raised) on a
 target that is not ours to fix (``third_party = True``). Everything else that fails, dstest's own errors
 included, is a failure.
@@ -108,7 +108,7 @@ def is_deviation(report: Any) -> bool:
 
 
 def contract_key(contract: str | None) -> tuple[str, int]:
-    """SPEC order: A1, A2, ..., A10, B1, ...; specs without a contract last."""
+    """contract order: A1, A2, ..., A10, B1, ...; specs without a contract last."""
     if not contract:
         return ("~", 0)
     digits = "".join(ch for ch in contract[1:] if ch.isdigit())
@@ -263,7 +263,7 @@ class ConformanceReport:
             kept.append(item)
         if not self.select:
             return
-        # SPEC order (A1, A2, ..., D8), then name, as SPEC.md reads; pytest runs them in that order too.
+        # contract order (A1, A2, ..., D8), then name, as docs/contracts.md reads; pytest runs them in that order too.
         kept.sort(key=lambda it: (contract_key(self.cases[it.nodeid].contract), self.cases[it.nodeid].spec))
         if len(kept) != len(items):
             config.hook.pytest_deselected(items=[it for it in items if it.nodeid not in self.cases])

@@ -120,7 +120,7 @@ def make_parameters_contiguous(model: torch.nn.Module) -> None:
     DeepSpeed 0.19.8 cannot take a model with a non-contiguous parameter: ``DeepSpeedEngine.
     _broadcast_model`` broadcasts ``p.data.view(torch.uint8)``, which raises "self.stride(-1) must be 1 to
     view Float as Byte" (at every world size, W = 1 included). The bundled specs' model stores one weight
-    transposed on purpose (SPEC A7), so without this every engine spec would report that one finding and
+    transposed on purpose (contract A7), so without this every engine spec would report that one finding and
     nothing else. The finding is in the README; with ``DSTEST_DEEPSPEED_STRICT=1`` the layout is left alone."""
     if _strict():
         return

@@ -9,7 +9,7 @@ engine (DeepSpeed: ``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_ful
 ``target.supports(feature)`` first and skips what the target lacks (:func:`require`).
 
 A target whose ``third_party`` is True is not ours to fix: a failing spec there is reported as a
-deviation from SPEC.md by the runner.
+deviation from the contracts (docs/contracts.md) by the runner.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ class Target(Protocol):
         ...
 
     def is_parallel(self, group: Any) -> bool:
-        """SPEC A1-A4."""
+        """contract A1-A4."""
         ...
 
     def all_reduce(self, tensor: torch.Tensor, group: Any, op: str = "sum") -> torch.Tensor:

@@ -6,7 +6,7 @@ engine's own methods, ``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_
 values, ``deepspeed.comm.pg_utils.is_parallel`` for the optional-group guard, the AutoTP layers
 (``deepspeed.module_inject.layers.LinearLayer`` / ``LinearAllreduce``), ``deepspeed.sequence.cross_entropy
 .vocab_parallel_cross_entropy`` and ``deepspeed.runtime.utils.get_global_norm_of_tensors`` for the call
-sites of SPEC A6, and ``DeepSpeedConfig`` for configuration checks. Beyond that the adapter observes: it
+sites of contract A6, and ``DeepSpeedConfig`` for configuration checks. Beyond that the adapter observes: it
 counts the collectives DeepSpeed issues through ``deepspeed.comm`` and sums the bytes of the partitioned
 tensors the ZeRO optimizer owns.
 
@@ -131,7 +131,7 @@ class DeepSpeedTarget:
             engine, *_ = ds.initialize(model=model, optimizer=optimizer, config=cfg, mpu=mpu, dist_init_required=False)
         return DeepSpeedEngineAdapter(engine)
 
-    # -- optional-group call sites (SPEC A) ------------------------------------------------------------------
+    # -- optional-group call sites (contracts A) ---------------------------------------------------------------
     def is_parallel(self, group: Any) -> bool:
         from deepspeed.comm import pg_utils
 

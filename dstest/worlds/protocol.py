@@ -6,7 +6,7 @@ function; :class:`dstest.worlds.request.RunRequest` (what every ``World.run`` ta
 :mod:`dstest.registry`). They import neither torch nor the worlds,
 so the pytest plugin can use them at configure time. Each raises :class:`dstest.errors.InvalidArgument`
 (or :class:`~dstest.errors.InvalidWorldSize`) with a message naming the argument, the value received and
-what is allowed (SPEC.md, "clear error").
+what is allowed (docs/contracts.md, "clear error").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Predicates on optional process groups (SPEC A1-A4).
+"""Predicates on optional process groups (contract A1-A4).
 
 A group argument in impl is one of:
 

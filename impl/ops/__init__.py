@@ -1,4 +1,4 @@
-"""Native ops of impl: the uneven-shard allgather and its compaction kernel (SPEC D5, D6).
+"""Native ops of impl: the uneven-shard allgather and its compaction kernel (contract D5, D6).
 
 The Python API is :mod:`impl.ops.allgather` (the collective) and :mod:`impl.ops.compact` (the compaction
 and its pure-torch references); every name of their ``__all__`` is re-exported here. The build of

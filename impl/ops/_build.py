@@ -1,4 +1,4 @@
-"""Build and load the native ops in ``csrc/`` on first use (SPEC D5).
+"""Build and load the native ops in ``csrc/`` on first use (contract D5).
 
 The C++/CUDA sources live in the repository's top-level ``csrc/``; a wheel installs them as package data
 at ``impl/ops/csrc/`` (the ``impl.ops.csrc`` mapping in ``pyproject.toml``). :func:`source_dir` looks

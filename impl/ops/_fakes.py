@@ -1,4 +1,4 @@
-"""Fake (meta) implementations of the native ops, so they work under FakeTensor and torch.compile (SPEC D5).
+"""Fake (meta) implementations of the native ops, so they work under FakeTensor and torch.compile (contract D5).
 
 :func:`register_fakes` is called once, by :func:`impl.ops._build.load_extension`, right after the library
 that defines the ops is loaded: a fake can only be registered for an op that exists. Each fake returns an

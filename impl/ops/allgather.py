@@ -1,4 +1,4 @@
-"""Allgather of truly uneven shards with counts fixed in advance (SPEC D5, D6).
+"""Allgather of truly uneven shards with counts fixed in advance (contract D5, D6).
 
 Each rank r holds ``counts[r]`` elements; every rank wants their exact concatenation. The counts are
 known to all ranks beforehand (fixed when a parameter is registered), so no size exchange happens per
@@ -21,7 +21,7 @@ Per rank, with W = 3 and ``counts = [2, 0, 3]``::
     rank 1: allgather_v(tensor([]), counts, g)        -> tensor([1, 2, 7, 8, 9])
     rank 2: allgather_v(tensor([7, 8, 9]), counts, g) -> tensor([1, 2, 7, 8, 9])
 
-``group=None`` means the parallel dimension is absent (SPEC A1), never "the world": the caller is the
+``group=None`` means the parallel dimension is absent (contract A1), never "the world": the caller is the
 only rank. A group of one rank issues no collective either. Input errors are ``ValueError`` naming
 the argument, the value and what is allowed, raised before any collective.
 """
@@ -45,7 +45,7 @@ __all__ = ["AllgatherV", "GroupedAllgatherV", "allgather_v", "allgather_v_many"]
 
 
 def _world_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if group is None:  # SPEC A1: an absent dimension, the caller is the only rank
+    if group is None:  # contract A1: an absent dimension, the caller is the only rank
         return 1, 0
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
@@ -53,7 +53,7 @@ def _world_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
             "pass group=None for an absent dimension"
         )
     world = dist.get_world_size(group)
-    if world < 1:  # torch reports -1 to a caller outside the group (SPEC A4)
+    if world < 1:  # torch reports -1 to a caller outside the group (contract A4)
         raise ValueError(
             f"group={group!r}: this rank is not a member (group size {world}); "
             "only members of the group can take part in allgather_v"
@@ -171,7 +171,7 @@ class GroupedAllgatherV:
         flat = torch.empty(total, dtype=dtype, device=device) if out is None else check_out(out, total, dtype, device)
         with torch.no_grad():
             if self._world == 1:
-                # One rank: the concatenation is the local tensors themselves; no collective (SPEC A5).
+                # One rank: the concatenation is the local tensors themselves; no collective (contract A5).
                 if total > 0:
                     torch.cat([t.reshape(-1) for t in tensors], out=flat)
                 return list(torch.split(flat, list(layout.totals)))
@@ -188,7 +188,7 @@ class GroupedAllgatherV:
 
 
 class AllgatherV:
-    """Allgather-v of one tensor whose per-rank counts are fixed here (SPEC D5).
+    """Allgather-v of one tensor whose per-rank counts are fixed here (contract D5).
 
     ``counts[r]`` is rank r's element count. Each call packs the local shard into a reused padded send
     buffer of ``max(counts)`` elements, runs one all-gather (through ``comm``) into a reused buffer of

@@ -1,4 +1,4 @@
-"""Compaction of padded gathers, and the layouts both ops share (SPEC D5, D6).
+"""Compaction of padded gathers, and the layouts both ops share (contract D5, D6).
 
 A padded all-gather leaves W equal rows, one per rank; rank r's row holds ``counts[r]`` valid elements
 (several tensors side by side for a grouped gather, ``P_t = max(counts_t)`` columns each) and padding.

@@ -1,4 +1,4 @@
-"""Call sites that take an optional model-parallel group (SPEC A6).
+"""Call sites that take an optional model-parallel group (contract A6).
 
 Each works on an absent (``None``), single-rank, non-member and multi-rank group; a rank for which the
 group is not parallel holds the whole tensor and computes alone (size 1, rank 0: never torch's -1).

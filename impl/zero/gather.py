@@ -1,4 +1,4 @@
-"""Stage-3 gathers: partitioned parameters into pooled padded buffers (SPEC D3, D4, D5, D6).
+"""Stage-3 gathers: partitioned parameters into pooled padded buffers (contract D3, D4, D5, D6).
 
 :class:`BufferPool` keeps gather buffers keyed by ``(dtype, device)`` and fitted by size: ``acquire`` hands out a
 free buffer of that key large enough for the request or allocates one (counted in ``allocations``),

@@ -1,4 +1,4 @@
-"""Stage-3 parameter partitioning: shard layouts, partitioning and the registration check (SPEC D1, D2, D5).
+"""Stage-3 parameter partitioning: shard layouts, partitioning and the registration check (contract D1, D2, D5).
 
 A parameter of N elements over W data-parallel ranks has a :class:`ParamLayout`: how many real elements
 each rank holds (``counts``) and the uniform count ``P`` one gather sends per rank (``shard_size``).
@@ -46,7 +46,7 @@ __all__ = [
 
 
 class RegistrationError(ValueError):
-    """Partitioned parameters whose shards do not match their layout on some rank (SPEC D2).
+    """Partitioned parameters whose shards do not match their layout on some rank (contract D2).
 
     Raised by :func:`check_registration` on every rank of the group; the message names the parameter,
     the rank and both sizes (the real local shard size and the size the layout requires).

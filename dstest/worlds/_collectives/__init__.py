@@ -17,7 +17,7 @@ input: they read every input in place and write every output once (measured in
 
 Messages name the op, the group, the sequence number and each rank's shapes, as gloo and NCCL do not.
 
-What ranks must agree on is what gloo and NCCL need (SPEC E2): the op, the reduce op, the root, the dtype,
+What ranks must agree on is what gloo and NCCL need (contract E2): the op, the reduce op, the root, the dtype,
 the device and the element count of each buffer (and the split sizes of ``all_to_all_single``); not the
 shape. Both backends move flat buffers: a ``[2, 1, 1]`` tensor broadcast into ``[2]`` on its peers, or a 0-d
 tensor all-reduced with a ``[1]``, is a correct program on both (DeepSpeed's pipeline engine does the

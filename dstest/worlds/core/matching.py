@@ -2,7 +2,7 @@
 
 The threaded world's session (ranks are threads, data is delivered in place) and the process world's
 referee (ranks are processes that post metadata through pipes) host the ranks differently, but they
-enforce one contract (SPEC E2), and a rule written twice drifts. So both drive these pieces and keep only
+enforce one contract (contract E2), and a rule written twice drifts. So both drive these pieces and keep only
 their transport (locks and wake-ups; pipes and verdict messages):
 
 - :class:`Exchange`: every rank's side of one collective of one group, matched by (group, sequence

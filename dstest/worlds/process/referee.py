@@ -35,7 +35,7 @@ class _Referee:
 
     def __init__(self, run_id: int, world_size: int, conns: list[Connection], strict_shapes: bool = False) -> None:
         self.run_id = run_id
-        self.strict_shapes = strict_shapes  # shapes must be equal, not only element counts (SPEC E2)
+        self.strict_shapes = strict_shapes  # shapes must be equal, not only element counts (contract E2)
         self.world_size = world_size
         self.conns = conns
         self.exchanges: dict[tuple[str, int], Exchange] = {}  # sides: (rank, post id)
