@@ -233,8 +233,10 @@ def test_option_writes_a_trace_per_test(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_specs=_PLUGIN_TESTS)
     result = pytester.runpytest_inprocess("--dstest-trace=traces", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2, failed=1)
-    files = sorted(os.listdir(pytester.path / "traces"))
+    files = sorted(f for f in os.listdir(pytester.path / "traces") if f.endswith(".json"))
     assert files == ["test_specs.py_test_fails_threaded-ws2.json", "test_specs.py_test_passes_threaded-ws2.json"]
+    # beside each trace, the flight-recorder dumps of its runs (tests/test_flight_recorder.py reads them)
+    assert sorted(os.listdir(pytester.path / "traces")) == sorted([*files, *(f[:-5] + ".fr" for f in files)])
     for name in files:
         with open(pytester.path / "traces" / name) as f:
             events = check_chrome_trace(json.load(f))

@@ -36,6 +36,7 @@ OPT_MARK_UNMARKED = "--dstest-mark-unmarked"
 OPT_WORLD_SIZES = "--dstest-world-sizes"
 OPT_SPECS = "--dstest-specs"
 OPT_TRACE = "--dstest-trace"
+OPT_FLIGHT_RECORDER = "--dstest-flight-recorder"
 OPT_ASYNC_HAZARDS = "--dstest-async-hazards"
 OPT_STRICT_SHAPES = "--dstest-strict-shapes"
 INI_DESELECT_SOAK = "dstest_deselect_soak"
@@ -190,14 +191,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-def _parse_trace_dir(value: str) -> str:
+def _parse_trace_dir(value: str, option: str = OPT_TRACE) -> str:
     import os
 
     if not value.strip():
-        raise pytest.UsageError(f"{OPT_TRACE}={value!r}: give a directory to write the trace files into")
+        raise pytest.UsageError(f"{option}={value!r}: give a directory to write the trace files into")
     if os.path.exists(value) and not os.path.isdir(value):
-        raise pytest.UsageError(f"{OPT_TRACE}={value!r}: is a file; give a directory (made if missing)")
+        raise pytest.UsageError(f"{option}={value!r}: is a file; give a directory (made if missing)")
     return value
+
+
+def _parse_flight_recorder_dir(value: str) -> str:
+    return _parse_trace_dir(value, OPT_FLIGHT_RECORDER)
 
 
 def _add_observation_options(group: Any) -> None:
@@ -207,7 +212,17 @@ def _add_observation_options(group: Any) -> None:
         default=None,
         metavar="DIR",
         help="write every test's world runs as Chrome-trace JSON (DIR/<test id>.json; open in ui.perfetto.dev). "
-        "Without it, a failing test's trace goes to pytest's cache (.pytest_cache/d/dstest-traces)",
+        "Without it, a failing test's trace goes to pytest's cache (.pytest_cache/d/dstest-traces). "
+        "Also writes torch flight-recorder dumps of each run (DIR/<test id>.fr/run-<n>)",
+    )
+    group.addoption(
+        OPT_FLIGHT_RECORDER,
+        type=_parse_flight_recorder_dir,
+        default=None,
+        metavar="DIR",
+        help="a world run that fails (mismatch, deadlock, timeout) writes torch flight-recorder dumps to "
+        "DIR/<test id>/run-<n> and its report names them; read with python -m "
+        "torch.distributed.flight_recorder.fr_trace",
     )
     group.addoption(
         OPT_ASYNC_HAZARDS,
@@ -376,10 +391,18 @@ def _check_placement(metafunc: pytest.Metafunc, info: Any) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Any:
     """Record the world runs of the test; write their trace (``--dstest-trace``, or on failure)."""
+    import os
+
     import dstest.trace as _trace  # light: no torch import
 
     failed = False
-    with _trace.recording(full=item.config.getoption(OPT_TRACE) is not None) as rec:
+    trace_dir = item.config.getoption(OPT_TRACE)
+    fr_dir = item.config.getoption(OPT_FLIGHT_RECORDER)
+    if fr_dir is not None:
+        fr_dir = os.path.join(fr_dir, _file_name(item))
+    elif trace_dir is not None:
+        fr_dir = os.path.join(trace_dir, _file_name(item) + ".fr")
+    with _trace.recording(full=trace_dir is not None, flight_recorder=fr_dir) as rec:
         try:
             return (yield)
         except BaseException as exc:
@@ -389,9 +412,15 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
             _write_trace(item, rec, failed)
 
 
+def _file_name(item: pytest.Item) -> str:
+    """The test id as a file name (the trace is ``<name>.json``, flight-recorder dumps ``<name>.fr``)."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", item.nodeid).strip("_")[:200]
+
+
 def _write_trace(item: pytest.Item, rec: Any, failed: bool) -> None:
     import os
-    import re
 
     if not rec.runs:
         return
@@ -403,9 +432,16 @@ def _write_trace(item: pytest.Item, rec: Any, failed: bool) -> None:
         folder = str(cache.mkdir("dstest-traces"))
     for run in rec.runs:
         run.label = run.label or item.nodeid
-    name = re.sub(r"[^A-Za-z0-9_.=-]+", "_", item.nodeid).strip("_")[:200] + ".json"
-    path = rec.write(os.path.join(folder, name))
-    item.add_report_section("call", "dstest trace", f"{path} (open in https://ui.perfetto.dev or chrome://tracing)")
+    path = rec.write(os.path.join(folder, _file_name(item) + ".json"))
+    lines = [f"{path} (open in https://ui.perfetto.dev or chrome://tracing)"]
+    if item.config.getoption(OPT_TRACE) is not None:
+        from dstest.trace.flight_recorder import analyzer_command, write_flight_recorder
+
+        for n, run in enumerate(rec.runs, start=1):
+            dumps = os.path.join(folder, f"{_file_name(item)}.fr", f"run-{n}")
+            write_flight_recorder(dumps, run)
+            lines.append(f"{dumps} (flight-recorder dumps; read with: {analyzer_command(dumps)})")
+    item.add_report_section("call", "dstest trace", "\n".join(lines))
 
 
 @pytest.hookimpl(wrapper=True)

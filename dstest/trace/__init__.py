@@ -8,7 +8,9 @@ call site and the waiting call site). Three things read the records:
 - failure reports: :meth:`Recorder.timeline`, the last calls of each rank, appended to the report of a
   failing run (:func:`world_run` does it for every world);
 - files: :func:`chrome_trace` writes Chrome-trace / Perfetto JSON, one track per rank
-  (:func:`recording` collects the runs of a block, the pytest plugin writes them per test).
+  (:func:`recording` collects the runs of a block, the pytest plugin writes them per test);
+  :func:`write_flight_recorder` writes torch flight-recorder dumps, one per rank, that torch's ``fr_trace``
+  analyzer reads (:mod:`~dstest.trace.flight_recorder`).
 
 What a call counts (``numel`` and ``bytes``, per rank, whatever the algorithm moves on a wire; the
 convention of nccl-tests' "size"):
@@ -31,6 +33,7 @@ plugin uses it. :mod:`~dstest.trace.records` holds the records, :mod:`~dstest.tr
 
 from __future__ import annotations
 
+from dstest.trace.flight_recorder import FR_PREFIX, write_flight_recorder
 from dstest.trace.recorder import Recorder, Recording, chrome_trace, recording, world_run, write_chrome_trace
 from dstest.trace.records import (
     RECORD_LIMIT,
@@ -46,6 +49,7 @@ from dstest.trace.records import (
 from dstest.trace.view import CommView
 
 __all__ = [
+    "FR_PREFIX",
     "RECORD_LIMIT",
     "RING_LIMIT",
     "TIMELINE_CALLS",
@@ -62,4 +66,5 @@ __all__ = [
     "recording",
     "world_run",
     "write_chrome_trace",
+    "write_flight_recorder",
 ]

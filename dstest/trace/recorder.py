@@ -207,9 +207,11 @@ def write_chrome_trace(path: str | os.PathLike[str], recorders: Sequence[Recorde
 class Recording:
     """The world runs made in a ``with recording():`` block on this thread (:func:`recording`)."""
 
-    def __init__(self, full: bool = True) -> None:
+    def __init__(self, full: bool = True, flight_recorder: str | os.PathLike[str] | None = None) -> None:
         self.runs: list[Recorder] = []
         self.full = full
+        #: Where a failing run's flight-recorder dumps go (``<flight_recorder>/run-<n>``), or None.
+        self.flight_recorder = os.fspath(flight_recorder) if flight_recorder is not None else None
 
     def comm(self, rank: int, run: int = -1) -> CommView:
         """Counts and bytes of ``rank`` in a run (default: the last one)."""
@@ -237,7 +239,7 @@ _LOCAL = _Local()
 
 
 @contextlib.contextmanager
-def recording(full: bool = True) -> Iterator[Recording]:
+def recording(full: bool = True, flight_recorder: str | os.PathLike[str] | None = None) -> Iterator[Recording]:
     """Record every world run made on this thread inside the block::
 
         with dstest.recording() as rec:
@@ -246,8 +248,11 @@ def recording(full: bool = True) -> Iterator[Recording]:
         rec.comm(rank=0).counts()      # {"all_reduce": 1}
 
     ``full``: keep up to :data:`RECORD_LIMIT` records per rank (else the last :data:`RING_LIMIT`).
+    ``flight_recorder``: a directory; a run of the block that fails (a mismatch, deadlock or timeout) writes
+    its torch flight-recorder dumps to ``<flight_recorder>/run-<n>`` (its n-th run) and its failure report
+    names them (:func:`~dstest.trace.write_flight_recorder`).
     """
-    rec = Recording(full)
+    rec = Recording(full, flight_recorder)
     _LOCAL.recordings.append(rec)
     try:
         yield rec
@@ -283,5 +288,27 @@ def _annotate(exc: BaseException, rec: Recorder) -> None:
     if not isinstance(exc, (RankFailure, WorldTimeout, WorkerDied)) or not exc.args:
         return
     text = rec.timeline()
+    dumps = _flight_recorder_dumps(rec)
+    if dumps:
+        text = f"{text}\n{dumps}" if text else dumps
     if text and isinstance(exc.args[0], str):
         exc.args = (f"{exc.args[0]}\n{text}", *exc.args[1:])
+
+
+def _flight_recorder_dumps(rec: Recorder) -> str:
+    """Write a failing run's flight-recorder dumps where an open :func:`recording` asks for them; the
+    report's line naming them ("" when none was asked for)."""
+    from dstest.trace.flight_recorder import analyzer_command, write_flight_recorder
+
+    lines = []
+    for r in _LOCAL.recordings:
+        if r.flight_recorder is None or rec in r.runs:
+            continue
+        folder = os.path.join(r.flight_recorder, f"run-{len(r.runs) + 1}")
+        try:
+            write_flight_recorder(folder, rec)
+        except OSError as err:
+            lines.append(f"flight-recorder dumps of this run: not written to {folder}: {err}")
+            continue
+        lines.append(f"flight-recorder dumps of this run: {folder} (read them with: {analyzer_command(folder)})")
+    return "\n".join(lines)
