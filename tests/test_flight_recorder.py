@@ -8,6 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import dstest
-from dstest.errors import RankFailure
+from dstest.errors import RankFailure, WorldTimeout
 from dstest.trace import FR_PREFIX, write_flight_recorder
 from dstest.trace.flight_recorder import analyzer_command, rank_dump, scalar_type
 
@@ -120,6 +121,27 @@ def test_analyzer_names_two_collectives_at_one_sequence_number(tmp_path: Any, wo
     ) in out, out
 
 
+def _stall(ctx: Any) -> None:
+    dist.all_reduce(torch.ones(6))
+    if ctx.rank == 1:
+        end = time.monotonic() + 30
+        while time.monotonic() < end:  # a Python loop: the world's timeout interrupts it
+            pass
+    dist.all_reduce(torch.ones(6))
+
+
+def test_a_timeout_writes_the_pending_call_as_started(tmp_path: Any) -> None:
+    with dstest.recording(flight_recorder=tmp_path), pytest.raises(WorldTimeout) as err:
+        dstest.run(_stall, 2, timeout=1.0)
+    dumps = os.path.join(str(tmp_path), "run-1")
+    assert f"flight-recorder dumps of this run: {dumps}" in str(err.value)
+    rank0 = _load(dumps)[0]["entries"]
+    assert [e["state"] for e in rank0] == ["completed", "started"]
+    out = _analyze(dumps)
+    assert f"Not all ranks joining collective, sequence number: {rank0[1]['collective_seq_id']}" in out, out
+    assert "missing ranks: {1}" in out, out
+
+
 def test_no_dumps_unless_asked_for() -> None:
     with pytest.raises(RankFailure) as err:
         dstest.run(_extra_all_reduce, 2)
@@ -171,7 +193,8 @@ def test_a_healthy_run_loads_and_every_collective_matches(tmp_path: Any) -> None
     assert len(db.collectives) == len(_PROFILING)
     assert all(c.pass_check and c.collective_state == "completed" and not c.missing_ranks for c in db.collectives)
     assert {g.size for g in db.groups} == {3, 2}
-    assert "has errors" not in _analyze(tmp_path) and "Not all ranks" not in _analyze(tmp_path)
+    out = _analyze(tmp_path)
+    assert "has errors" not in out and "Not all ranks" not in out, out
 
 
 def test_entries_hold_the_records(tmp_path: Any) -> None:

@@ -43,7 +43,11 @@ shape per tensor it counts, so an ``all_to_all``'s outputs are written as its in
 What the format cannot say: dstest's own verdict (which rank's call is wrong and why) is in the failure
 report; the analyzer infers its own from the entries. Groups are identified by their dstest name (the
 world group is ``"0"``, ``"default_pg"``); a group of more than 8 ranks whose label dstest abbreviates
-gets its members from the ranks that called on it. The package's rule holds: no torch import.
+gets its members from the ranks that called on it. A limit of the analyzer, not of the dumps (torch 2.13,
+and its NCCL dumps alike): it takes consecutive entries of one group whose sequence numbers are equal for a
+coalesced group, comparing a transfer's ``p2p_seq_id`` with a collective's ``collective_seq_id``, so a
+transfer right after a collective can stop it ("can't get dst of non-p2p op"). The package's rule holds: no
+torch import.
 """
 
 from __future__ import annotations
