@@ -342,3 +342,16 @@ def test_flight_recorder_option_refuses_a_file(pytester: pytest.Pytester) -> Non
     pytester.makefile(".txt", notadir="x")
     result = pytester.runpytest_inprocess("--dstest-flight-recorder=notadir.txt")
     result.stderr.fnmatch_lines(["*--dstest-flight-recorder='notadir.txt': is a file; give a directory*"])
+
+
+def test_a_large_fake_world_dumps_only_its_simulated_ranks(tmp_path: Any) -> None:
+    def body(ctx: Any) -> None:
+        dist.all_reduce(torch.ones(2))
+
+    with dstest.recording() as rec:
+        dstest.run(body, 4096, world="fake")
+    paths = write_flight_recorder(tmp_path, rec.runs[0])
+    assert [os.path.basename(p) for p in paths] == [f"{FR_PREFIX}0", f"{FR_PREFIX}4095"]
+    dumps = _load(tmp_path)
+    assert dumps[4095]["pg_config"]["0"]["ranks"] == str(list(range(4096)))
+    assert [e["profiling_name"] for e in dumps[4095]["entries"]] == ["nccl:all_reduce"]
