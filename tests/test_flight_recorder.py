@@ -175,9 +175,10 @@ _PROFILING = [
 ]  # fmt: skip
 
 
-def test_a_healthy_run_loads_and_every_collective_matches(tmp_path: Any) -> None:
+@pytest.mark.parametrize("world", ["threaded", "process"])
+def test_a_healthy_run_loads_and_every_collective_matches(tmp_path: Any, world: str) -> None:
     with dstest.recording() as rec:
-        dstest.run(_every_op, 3)
+        dstest.run(_every_op, 3, world=world)
     paths = write_flight_recorder(tmp_path, rec.runs[0])
     assert [os.path.basename(p) for p in paths] == [f"{FR_PREFIX}{r}" for r in range(3)]
     dumps = _load(tmp_path)
