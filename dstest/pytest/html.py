@@ -50,7 +50,7 @@ def _is_xdist_worker(config: pytest.Config) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption(OPT_HTML) is None or _is_xdist_worker(config):
         return
-    from dstest.pytest.plugin import OPT_TARGET
+    from dstest.pytest.options import OPT_TARGET
     from dstest.report import ConformanceReport
 
     collector = ConformanceReport(config.getoption(OPT_TARGET), progress=False, select=False)

@@ -219,6 +219,19 @@ def rank_dump(recorder: Recorder, rank: int, backend: str = "nccl", timeout_ms: 
     return _rank_dump(recorder, rank, records, _groups(recorder, records), backend, timeout_ms)
 
 
+def _note_status(status: dict[str, dict[str, int]], pg_id: int, seq: int, state: str) -> None:
+    """A collective's sequence number into its group's ``pg_status`` row (last enqueued, started, completed)."""
+    row = status.setdefault(
+        str(pg_id),
+        {"last_enqueued_collective": -1, "last_started_collective": -1, "last_completed_collective": -1},
+    )
+    row["last_enqueued_collective"] = max(row["last_enqueued_collective"], seq)
+    if state != "scheduled":
+        row["last_started_collective"] = max(row["last_started_collective"], seq)
+    if state == "completed":
+        row["last_completed_collective"] = max(row["last_completed_collective"], seq)
+
+
 def _rank_dump(
     recorder: Recorder,
     rank: int,
@@ -255,15 +268,7 @@ def _rank_dump(
         dtype = scalar_type(rec.dtype)
         state = _state(rec)
         if not is_p2p:
-            row = status.setdefault(
-                str(group.pg_id),
-                {"last_enqueued_collective": -1, "last_started_collective": -1, "last_completed_collective": -1},
-            )
-            row["last_enqueued_collective"] = max(row["last_enqueued_collective"], seq)
-            if state != "scheduled":
-                row["last_started_collective"] = max(row["last_started_collective"], seq)
-            if state == "completed":
-                row["last_completed_collective"] = max(row["last_completed_collective"], seq)
+            _note_status(status, group.pg_id, seq, state)
         done = rec.t_done if state == "completed" else None
         # Started: when the rank began waiting in it, or when it completed if that came first (a call a
         # rank waits for later may be over by then).
