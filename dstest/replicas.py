@@ -89,6 +89,11 @@ def _resolve_group(group: Any) -> tuple[Any, tuple[int, ...]]:
     if not dist.is_initialized():
         raise InvalidArgument("assert_replicas: torch.distributed is not initialized; call it inside a rank body")
     pg = dist.group.WORLD if group is None else group
+    if pg is dist.GroupMember.NON_GROUP_MEMBER:
+        raise InvalidArgument(
+            f"group={group!r}: rank {dist.get_rank()} is not a member (dist.new_group gives non-members "
+            "GroupMember.NON_GROUP_MEMBER); only the ranks of the group call assert_replicas (a collective over it)"
+        )
     if not isinstance(pg, dist.ProcessGroup):
         raise InvalidArgument(
             f"group={group!r}: must be a torch.distributed ProcessGroup (or None for the world), "
@@ -396,21 +401,26 @@ def assert_replicas(
     raise ReplicasDiverge(text)
 
 
-@contextlib.contextmanager
 def replicas_checked(
     module: object, group: Any = None, *, rtol: float = 0.0, atol: float = 0.0
-) -> Iterator[None]:
+) -> contextlib.AbstractContextManager[None]:
     """While active, :func:`assert_replicas` ``(module, group, rtol=, atol=)`` after every ``optimizer.step()``
     of an optimizer that steps one of ``module``'s parameters (torch's global optimizer step post-hook; per rank
     on the threaded world, as in a process of its own). Every rank of ``group`` must step such an optimizer
-    equally often: each check is a collective."""
+    equally often: each check is a collective. The arguments are checked here, when it is called."""
     import torch.nn as nn
-    from torch.optim.optimizer import register_optimizer_step_post_hook
 
     if not isinstance(module, nn.Module):
         raise InvalidArgument(f"replicas_checked: module is a {type(module).__name__}; it takes an nn.Module")
     _check_tolerance(rtol, atol)
     _resolve_group(group)
+    return _hooked(module, group, rtol, atol)
+
+
+@contextlib.contextmanager
+def _hooked(module: Any, group: Any, rtol: float, atol: float) -> Iterator[None]:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
     watched = {id(p) for p in module.parameters()}
     steps = [0]
 
