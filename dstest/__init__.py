@@ -97,9 +97,9 @@ if TYPE_CHECKING:
     from dstest.errors import (
         WorldTimeout as WorldTimeout,
     )
-    from dstest.replicas import assert_replicas as assert_replicas
     from dstest.groups import TOPOLOGIES as TOPOLOGIES
     from dstest.groups import GroupBuilder as GroupBuilder
+    from dstest.replicas import assert_replicas as assert_replicas
     from dstest.shards import ShardLayout as ShardLayout
     from dstest.shards import padded as padded
     from dstest.shards import uneven as uneven

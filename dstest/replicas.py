@@ -108,7 +108,7 @@ def _resolve_group(group: Any) -> tuple[Any, tuple[int, ...]]:
     return pg, ranks
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def _is_dtensor(t: Any) -> bool:
     cls = type(t)
     return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
 
@@ -155,7 +155,8 @@ def _entries(obj: object, pg: Any, ranks: tuple[int, ...]) -> tuple[str, list[_E
     what, named = _named_tensors(obj)
     members = set(ranks)
     entries: list[_Entry] = []
-    for name, kind, t in named:
+    for name, kind, tensor in named:
+        t: Any = tensor
         label = f"{kind} {name!r}" if kind != "tensor" else ("the tensor" if name == "tensor" else f"tensor {name}")
         if not _is_dtensor(t):
             entries.append(_Entry(label, "tensor", pg, ranks, tuple(t.shape), t.dtype, tensor=t.detach()))
@@ -175,8 +176,15 @@ def _entries(obj: object, pg: Any, ranks: tuple[int, ...]) -> tuple[str, list[_E
             names = mesh.mesh_dim_names
             dim_label = f"mesh dim {dim}" + (f" {names[dim]!r}" if names else "")
             entries.append(
-                _Entry(f"{label} (local, Replicate on {dim_label})", "dtensor local", dim_pg, dim_ranks,
-                       tuple(local.shape), local.dtype, tensor=local)
+                _Entry(
+                    f"{label} (local, Replicate on {dim_label})",
+                    "dtensor local",
+                    dim_pg,
+                    dim_ranks,
+                    tuple(local.shape),
+                    local.dtype,
+                    tensor=local,
+                )
             )
         if set(mesh_ranks) < members:
             entries.append(
@@ -201,7 +209,11 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     values moved between positions). Integer sums wrap, in any order, to the same value on every device."""
     words = _bits(t)
     weights = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device)
-    return torch.stack([words.sum(), (words * weights).sum()]) if words.numel() else torch.zeros(2, dtype=torch.int64, device=words.device)
+    return (
+        torch.stack([words.sum(), (words * weights).sum()])
+        if words.numel()
+        else torch.zeros(2, dtype=torch.int64, device=words.device)
+    )
 
 
 def _gather_values(entry: _Entry, t: torch.Tensor) -> list[torch.Tensor]:
@@ -210,7 +222,9 @@ def _gather_values(entry: _Entry, t: torch.Tensor) -> list[torch.Tensor]:
     raw = (raw.view(torch.uint8) if raw.dtype == torch.bool else raw).view(torch.uint8)
     out = [torch.empty_like(raw) for _ in entry.ranks]
     dist.all_gather(out, raw, group=entry.group)
-    return [(o.cpu().view(torch.bool) if t.dtype == torch.bool else o.cpu().view(t.dtype)).reshape(t.shape) for o in out]
+    return [
+        (o.cpu().view(torch.bool) if t.dtype == torch.bool else o.cpu().view(t.dtype)).reshape(t.shape) for o in out
+    ]
 
 
 def _fmt(value: torch.Tensor) -> str:
@@ -233,13 +247,15 @@ def _compare(entry: _Entry, values: list[torch.Tensor], rtol: float, atol: float
     ref, ref_rank = values[0], entry.ranks[0]
     exact = rtol == 0.0 and atol == 0.0
     numeric = ref.dtype.is_floating_point or ref.dtype.is_complex or not (ref.dtype == torch.bool)
-    worst_diff, worst_at, worst_rank = -1.0, (), ref_rank
+    worst_diff, worst_rank = -1.0, ref_rank
+    worst_at: tuple[int, ...] = ()
     failing = exact
     for rank, v in zip(entry.ranks[1:], values[1:]):
         if not numeric or v.numel() == 0:
             continue
-        a, b = v.to(torch.complex128 if ref.dtype.is_complex else torch.float64), ref.to(
-            torch.complex128 if ref.dtype.is_complex else torch.float64
+        a, b = (
+            v.to(torch.complex128 if ref.dtype.is_complex else torch.float64),
+            ref.to(torch.complex128 if ref.dtype.is_complex else torch.float64),
         )
         diff = (a - b).abs()
         nan_mismatch = a.isnan() != b.isnan()
@@ -278,8 +294,9 @@ def _agree_on_structure(entries: list[_Entry], pg: Any, ranks: tuple[int, ...]) 
             by.setdefault(repr(n), []).append(rank)
         firsts = []
         for members in by.values():
-            listed = names[ranks.index(members[0])]
-            firsts.append(f"ranks {members} hold {len(listed)} ({', '.join(n for n, _ in listed[:4])}{', ...' if len(listed) > 4 else ''})")
+            held = names[ranks.index(members[0])]
+            shown = ", ".join(name for name, _ in held[:4]) + (", ..." if len(held) > 4 else "")
+            firsts.append(f"ranks {members} hold {len(held)} ({shown})")
         return _Finding(-1, (), "the ranks hold different tensors: " + " vs ".join(firsts))
     for index in range(len(entries)):
         by_group: dict[tuple[int, ...], dict[tuple[Any, ...], list[int]]] = {}
@@ -288,11 +305,12 @@ def _agree_on_structure(entries: list[_Entry], pg: Any, ranks: tuple[int, ...]) 
             by_group.setdefault(group_ranks, {}).setdefault((tuple(shape), dtype), []).append(rank)
         for group_ranks, kinds in sorted(by_group.items()):
             if len(kinds) > 1:
-                listed = " vs ".join(
-                    f"ranks {members} {dtype.removeprefix('torch.')}{list(shape)}" for (shape, dtype), members in kinds.items()
+                kinds_text = " vs ".join(
+                    f"ranks {members} {dtype.removeprefix('torch.')}{list(shape)}"
+                    for (shape, dtype), members in kinds.items()
                 )
                 name = everyone[0][index][0]
-                return _Finding(index, group_ranks, f"{name} has different shapes or dtypes: {listed}")
+                return _Finding(index, group_ranks, f"{name} has different shapes or dtypes: {kinds_text}")
     return None
 
 
@@ -356,7 +374,8 @@ def _verdict(finding: _Finding | None, entries: list[_Entry], pg: Any, ranks: tu
         return None
     everyone: list[Any] = [None] * len(ranks)
     dist.all_gather_object(everyone, finding, group=pg)
-    return min((f for f in everyone if f is not None), key=lambda f: f.key)
+    found: list[_Finding] = [f for f in everyone if isinstance(f, _Finding)]
+    return min(found, key=lambda f: f.key)
 
 
 def _device_of(entries: list[_Entry]) -> torch.device:

@@ -108,7 +108,9 @@ def batchnorm_buffers(ctx, fixed: bool, steps: int) -> str | None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3))
     # torch 2.13 renames the option (the old name warns); ``False`` under either name: no sync before forward.
-    named = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else "broadcast_buffers"
+    named = (
+        "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else "broadcast_buffers"
+    )
     ddp = DDP(model, **{named: fixed})
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for _ in range(steps):
@@ -380,7 +382,7 @@ def test_dtensor_tensor_parallel(world, world_size):
     last = world_size - 1
     assert msg is not None and "parameter '3.bias' (local, Replicate on mesh dim 0) (float32[6])" in msg
     assert f"ranks {list(range(last))} vs ranks [{last}]" in msg
-    assert f"largest absolute difference 0.5 at index (2,)" in msg
+    assert "largest absolute difference 0.5 at index (2,)" in msg
 
 
 def fsdp2_tp_2d(ctx, corrupt: bool) -> str | None:
@@ -444,7 +446,9 @@ def test_permuted_values_and_integer_tensors(ctx):
     with pytest.raises(ReplicasDiverge, match=r"tensor \[0\] \(float32\[6\]\)"):
         ctx.assert_replicas([t])
     flags = torch.tensor([True, ctx.rank == 0])
-    with pytest.raises(ReplicasDiverge, match=r"tensor 'flags' \(bool\[2\]\) differs bit for bit: ranks \[0\] vs ranks \[1\]"):
+    with pytest.raises(
+        ReplicasDiverge, match=r"tensor 'flags' \(bool\[2\]\) differs bit for bit: ranks \[0\] vs ranks \[1\]"
+    ):
         ctx.assert_replicas({"flags": flags})
     with pytest.raises(ReplicasDiverge, match="index \\(1,\\) \\(rank 0: 7, rank 1: 8\\)"):
         ctx.assert_replicas({"n": torch.tensor([3, 7 + ctx.rank])})
@@ -452,9 +456,11 @@ def test_permuted_values_and_integer_tensors(ctx):
 
 @dstest.spec(world_size=[2, 4], worlds=WORLDS, contract="G4")
 def test_shapes_and_structure_that_differ(ctx):
-    with pytest.raises(ReplicasDiverge, match=r"tensor 'x' has different shapes or dtypes: ranks \[0\] float32\[2\] vs ranks \[1"):
+    with pytest.raises(
+        ReplicasDiverge, match=r"tensor 'x' has different shapes or dtypes: ranks \[0\] float32\[2\] vs ranks \[1"
+    ):
         ctx.assert_replicas({"x": torch.zeros(2 + min(ctx.rank, 1))})
-    with pytest.raises(ReplicasDiverge, match="different shapes or dtypes: .*float32.* vs .*float64"):
+    with pytest.raises(ReplicasDiverge, match=r"different shapes or dtypes: .*float32.* vs .*float64"):
         ctx.assert_replicas({"x": torch.zeros(2, dtype=torch.float64 if ctx.rank else torch.float32)})
     names = {"a": torch.zeros(1)} if ctx.rank == 0 else {"a": torch.zeros(1), "b": torch.zeros(1)}
     with pytest.raises(ReplicasDiverge, match=r"the ranks hold different tensors: ranks \[0\] hold 1 \(tensor 'a'\)"):
@@ -469,7 +475,9 @@ def test_subgroups(ctx):
     mine = pairs[ctx.rank // 2]
     t = torch.tensor([float(ctx.rank // 2)])
     ctx.assert_replicas([t], group=mine)
-    with pytest.raises(ReplicasDiverge, match=r"over ranks \[0, 1, 2, 3\]: tensor \[0\] .* ranks \[0, 1\] vs ranks \[2, 3\]"):
+    with pytest.raises(
+        ReplicasDiverge, match=r"over ranks \[0, 1, 2, 3\]: tensor \[0\] .* ranks \[0, 1\] vs ranks \[2, 3\]"
+    ):
         ctx.assert_replicas([t])
     if ctx.rank < 2:
         with pytest.raises(InvalidArgument, match=r"rank [01] is not a member"):
@@ -488,7 +496,7 @@ def test_argument_errors(ctx):
         ctx.assert_replicas({"a": t, "b": 3})
     with pytest.raises(InvalidArgument, match="assert_replicas got a str"):
         ctx.assert_replicas("model")
-    with pytest.raises(InvalidArgument, match="group=3: must be a torch.distributed ProcessGroup"):
+    with pytest.raises(InvalidArgument, match=r"group=3: must be a torch\.distributed ProcessGroup"):
         ctx.assert_replicas([t], group=3)
     with pytest.raises(InvalidArgument, match="replicas_checked: module is a list"):
         ctx.replicas_checked([t])
