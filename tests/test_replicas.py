@@ -435,6 +435,27 @@ def test_tolerance(ctx):
     with pytest.raises(ReplicasDiverge, match="beyond rtol=0, atol=1e-05"):
         ctx.assert_replicas({"x": t}, atol=1e-5)
     ctx.assert_replicas([base, torch.arange(5), torch.ones(2, dtype=torch.bool)])
+    with pytest.raises(ReplicasDiverge, match=r"tensor \[0\] \(bool\[3\]\) differs beyond"):  # no tolerance for bool
+        ctx.assert_replicas([torch.tensor([True, False, ctx.rank == 1])], atol=1.0)
+
+
+@dstest.spec(world_size=[2], worlds=WORLDS, contract="G4")
+def test_other_dtypes_and_odd_sizes(ctx):
+    """bf16 (which numpy does not know), complex, float64, int8 and sizes that are no multiple of a word."""
+    for dtype, size in ((torch.bfloat16, 7), (torch.complex64, 5), (torch.float64, 2051), (torch.int8, 13)):
+        t = (torch.arange(size) % 5).to(dtype)
+        ctx.assert_replicas({"t": t})
+        if ctx.rank == 1:
+            t[size - 1] += 1
+        with pytest.raises(ReplicasDiverge) as info:
+            ctx.assert_replicas({"t": t})
+        name = str(dtype).removeprefix("torch.")
+        assert f"tensor 't' ({name}[{size}]) differs bit for bit: ranks [0] vs ranks [1]" in str(info.value)
+        assert f"largest absolute difference 1 at index ({size - 1},)" in str(info.value)
+    # Every float bit pattern counts: -0.0 is not 0.0, a NaN is equal to itself.
+    ctx.assert_replicas([torch.tensor([float("nan"), 1.0])])
+    with pytest.raises(ReplicasDiverge, match=r"tensor \[0\] \(float32\[1\]\) differs bit for bit"):
+        ctx.assert_replicas([torch.tensor([-0.0 if ctx.rank else 0.0])])
 
 
 @dstest.spec(world_size=[2], worlds=WORLDS, contract="G4")
@@ -524,3 +545,30 @@ def test_replicas_checked_removes_its_hook():
 
     assert dstest.run(body, 2) == [(before + 1, before)] * 2
     assert len(optimizer_module._global_optimizer_post_hooks) == before
+
+
+def _swap_and_change(ctx) -> list[str | None]:
+    t = torch.randn(3000, generator=torch.Generator().manual_seed(0))
+    out = [_caught(ctx, [t])]
+    swapped = t.clone()
+    if ctx.rank == 1:
+        swapped[[5, 17]] = swapped[[17, 5]]  # the same values in other places
+    out.append(_caught(ctx, [swapped]))
+    return out
+
+
+@pytest.mark.parametrize("path", ["numpy", "torch"])
+def test_fingerprints_on_both_paths(monkeypatch, path):
+    """The CPU's numpy fingerprint and the torch one (CUDA's, and the CPU's without numpy) catch a swap of two
+    values; the torch path is the one NCCL runs, here on CPU tensors."""
+    from dstest import replicas
+
+    if path == "torch":
+        monkeypatch.setattr(replicas, "_numpy", lambda: None)
+    results = dstest.run(_swap_and_change, 2)
+    assert results[0] == results[1]
+    assert results[0][0] is None
+    assert "tensor [0] (float32[3000]) differs bit for bit: ranks [0] vs ranks [1]" in str(results[0][1])
+    t = torch.arange(10.0)
+    assert torch.equal(replicas._fingerprint(t), replicas._fingerprint(t.clone()))
+    assert not torch.equal(replicas._fingerprint(t), replicas._fingerprint(t.flip(0)))
