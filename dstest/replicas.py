@@ -313,7 +313,7 @@ def _elements(t: torch.Tensor) -> Any:
 def _differing(a: Any, b: Any) -> torch.Tensor:
     """Flat indices of the elements whose bits differ between two :func:`_elements`."""
     if isinstance(a, torch.Tensor):
-        ne = a != b
+        ne: torch.Tensor = a != b
         return (ne.any(dim=1) if ne.dim() > 1 else ne).nonzero().reshape(-1)
     import numpy as np
 
