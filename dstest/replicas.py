@@ -317,8 +317,8 @@ def _differing(a: Any, b: Any) -> torch.Tensor:
         return (ne.any(dim=1) if ne.dim() > 1 else ne).nonzero().reshape(-1)
     import numpy as np
 
-    ne = a != b
-    found: torch.Tensor = torch.from_numpy(np.flatnonzero(ne.any(axis=1) if ne.ndim > 1 else ne))
+    unequal: Any = a != b
+    found: torch.Tensor = torch.from_numpy(np.flatnonzero(unequal.any(axis=1) if unequal.ndim > 1 else unequal))
     return found
 
 
