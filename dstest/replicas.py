@@ -32,6 +32,7 @@ What each layout compares:
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,8 +110,10 @@ def _resolve_group(group: Any) -> tuple[Any, tuple[int, ...]]:
 
 
 def _is_dtensor(t: Any) -> bool:
-    cls = type(t)
-    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+    """Whether ``t`` is a DTensor (never importing DTensor: a body that has none has not loaded it)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None)
+    return cls is not None and isinstance(t, cls)
 
 
 def _unwrap(module: Any) -> Any:
@@ -120,22 +123,22 @@ def _unwrap(module: Any) -> Any:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
-def _named_tensors(obj: object) -> tuple[str, list[tuple[str, str, torch.Tensor]]]:
-    """(what, [(name, kind, tensor)]) of a module, a tensor, or a dict/list of tensors; else InvalidArgument."""
+def _named_tensors(obj: object) -> tuple[str, list[tuple[str, torch.Tensor]]]:
+    """(what, [(label, tensor)]) of a module, a tensor, or a dict/list of tensors; else InvalidArgument."""
     import torch.nn as nn
 
     if isinstance(obj, nn.Module):
         module = _unwrap(obj)
-        items = [(n, "parameter", p) for n, p in module.named_parameters()]
-        items += [(n, "buffer", b) for n, b in module.named_buffers()]
-        return type(module).__name__, items
+        items = [(f"parameter {n!r}", p) for n, p in module.named_parameters()]
+        items += [(f"buffer {n!r}", b) for n, b in module.named_buffers()]
+        return type(module).__name__, _dense(items)
     if isinstance(obj, torch.Tensor):
-        return "tensor", [("tensor", "tensor", obj)]
+        return "tensor", _dense([("the tensor", obj)])
     if isinstance(obj, Mapping):
-        pairs = [(repr(k), v) for k, v in obj.items()]
+        pairs = [(f"tensor {k!r}", v) for k, v in obj.items()]
         what = "tensors"
     elif isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
-        pairs = [(f"[{i}]", v) for i, v in enumerate(obj)]
+        pairs = [(f"tensor [{i}]", v) for i, v in enumerate(obj)]
         what = "tensors"
     else:
         raise InvalidArgument(
@@ -145,19 +148,29 @@ def _named_tensors(obj: object) -> tuple[str, list[tuple[str, str, torch.Tensor]
     for name, value in pairs:
         if not isinstance(value, torch.Tensor):
             raise InvalidArgument(
-                f"assert_replicas: entry {name} is a {type(value).__name__}, not a tensor; a dict or list "
+                f"assert_replicas: {name} is a {type(value).__name__}, not a tensor; a dict or list "
                 "passed to assert_replicas holds tensors only"
             )
-    return what, [(name, "tensor", value) for name, value in pairs]
+    return what, _dense(pairs)
+
+
+def _dense(items: list[tuple[str, Any]]) -> list[tuple[str, torch.Tensor]]:
+    """``items`` as they are, if every tensor is a dense (strided) one with data; else InvalidArgument."""
+    for name, t in items:
+        if t.layout != torch.strided or t.device.type == "meta":
+            raise InvalidArgument(
+                f"assert_replicas: {name} is a {t.layout} tensor on {t.device}; it compares dense (strided) tensors "
+                "with data (for a sparse one, pass its .to_dense(); meta tensors hold no values)"
+            )
+    return items
 
 
 def _entries(obj: object, pg: Any, ranks: tuple[int, ...]) -> tuple[str, list[_Entry]]:
     what, named = _named_tensors(obj)
     members = set(ranks)
     entries: list[_Entry] = []
-    for name, kind, tensor in named:
+    for label, tensor in named:
         t: Any = tensor
-        label = f"{kind} {name!r}" if kind != "tensor" else ("the tensor" if name == "tensor" else f"tensor {name}")
         if not _is_dtensor(t):
             entries.append(_Entry(label, "tensor", pg, ranks, tuple(t.shape), t.dtype, tensor=t.detach()))
             continue

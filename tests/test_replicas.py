@@ -513,8 +513,10 @@ def test_argument_errors(ctx):
         ctx.assert_replicas([t], rtol=-1.0)
     with pytest.raises(InvalidArgument, match=r"atol=nan"):
         ctx.assert_replicas([t], atol=float("nan"))
-    with pytest.raises(InvalidArgument, match="entry 'b' is a int, not a tensor"):
+    with pytest.raises(InvalidArgument, match="tensor 'b' is a int, not a tensor"):
         ctx.assert_replicas({"a": t, "b": 3})
+    with pytest.raises(InvalidArgument, match=r"tensor 'a' is a torch\.sparse_coo tensor on cpu; it compares dense"):
+        ctx.assert_replicas({"a": t.to_sparse()})
     with pytest.raises(InvalidArgument, match="assert_replicas got a str"):
         ctx.assert_replicas("model")
     with pytest.raises(InvalidArgument, match=r"group=3: must be a torch\.distributed ProcessGroup"):
