@@ -191,7 +191,7 @@ def zero_shard_twice(ctx, fixed: bool, steps: int) -> str | None:
         update = lr * grad[lo:hi] / w
         master -= update
         gathered = torch.empty(shard * w)
-        dist.all_gather_into_tensor(gathered, master)
+        dist.all_gather(list(gathered.chunk(w)), master)
         flat.copy_(gathered[: flat.numel()])
         if not fixed:
             end = min(hi, flat.numel())
