@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -396,8 +396,14 @@ def _compare(entry: _Entry, values: list[torch.Tensor], rtol: float, atol: float
 
 # -- the check ---------------------------------------------------------------------------------------------------
 def _agree_on_structure(entries: list[_Entry], pg: Any, ranks: tuple[int, ...]) -> _Finding | None:
-    """Gather every rank's list of (name, layout, group, shape, dtype) over the group; the first difference."""
-    mine = [(e.name, e.layout, e.ranks, e.shape, str(e.dtype)) for e in entries]
+    """Gather every rank's list of (name, layout, group, shape, dtype) over the group; the first difference.
+
+    The names, layouts and whether each is compared over the whole group must be the same on every rank: then
+    every rank issues the same collectives in the same order, and :func:`_verdict` decides alike everywhere."""
+    mine = [
+        (e.name, f"{e.layout}{'' if e.ranks == ranks else ' (subgroup)'}", e.ranks, e.shape, str(e.dtype))
+        for e in entries
+    ]
     everyone: list[Any] = [None] * len(ranks)
     dist.all_gather_object(everyone, mine, group=pg)
     names = [[(name, layout) for name, layout, *_ in theirs] for theirs in everyone]
@@ -444,7 +450,8 @@ def _first_difference(entries: list[_Entry], rtol: float, atol: float) -> _Findi
     differing: dict[tuple[int, ...], list[int]] = {}
     for ranks, indices in slots.items():
         group = entries[indices[0]].group
-        prints = torch.stack([_fingerprint(tensors[i]) for i in indices])
+        device = _device_of(tensors[i] for i in indices)
+        prints = torch.stack([_fingerprint(tensors[i]).to(device) for i in indices])
         out = [torch.empty_like(prints) for _ in ranks]
         dist.all_gather(out, prints, group=group)
         stacked = torch.stack([o.cpu() for o in out])  # [ranks, entries, 2]
@@ -480,7 +487,7 @@ def _verdict(finding: _Finding | None, entries: list[_Entry], pg: Any, ranks: tu
     if all(e.ranks == ranks for e in entries):
         return finding
     flag = torch.tensor([0 if finding is None else 1], dtype=torch.int64)
-    device = _device_of(entries)
+    device = _device_of(e.tensor for e in entries)
     flag = flag.to(device)
     dist.all_reduce(flag, group=pg)
     if int(flag.item()) == 0:
@@ -491,11 +498,13 @@ def _verdict(finding: _Finding | None, entries: list[_Entry], pg: Any, ranks: tu
     return min(found, key=lambda f: f.key)
 
 
-def _device_of(entries: list[_Entry]) -> torch.device:
-    for e in entries:
-        if e.tensor is not None:
-            return e.tensor.device
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+def _device_of(tensors: Iterable[torch.Tensor | None]) -> torch.device:
+    """Where the small exchanges of a check go: the first device of the tensors that is not the CPU (NCCL takes
+    CUDA tensors only), else the CPU (gloo, dstest's worlds)."""
+    for t in tensors:
+        if t is not None and t.device.type != "cpu":
+            return t.device
+    return torch.device("cpu")
 
 
 def assert_replicas(

@@ -574,3 +574,27 @@ def test_fingerprints_on_both_paths(monkeypatch, path):
     t = torch.arange(10.0)
     assert torch.equal(replicas._fingerprint(t), replicas._fingerprint(t.clone()))
     assert not torch.equal(replicas._fingerprint(t), replicas._fingerprint(t.flip(0)))
+
+
+@dstest.spec(world_size=[2], worlds=WORLDS, contract="G4")
+def test_replicas_checked_follows_only_the_modules_optimizers(ctx):
+    """An optimizer of other parameters (rank-local ones, different by design) triggers no check; the module's
+    own optimizer does, at each step, and the step count is in the message."""
+    model, local = _mlp(0), nn.Linear(2, 2)
+    with torch.no_grad():
+        local.weight.fill_(float(ctx.rank))
+    shared_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.1)
+    with ctx.replicas_checked(model):
+        for step in range(1, 4):
+            local(ctx.randn(1, 2)).sum().backward()
+            local_opt.step()  # no check: not the module's parameters
+            model(torch.ones(1, 5)).sum().backward()
+            if step == 3 and ctx.rank == 1:
+                model[0].bias.grad[0] += 1.0
+            if step < 3:
+                shared_opt.step()
+                continue
+            with pytest.raises(ReplicasDiverge, match=r"replicas of Sequential after optimizer step 3 \(SGD\)"):
+                shared_opt.step()
+    shared_opt.step()  # outside the block: no check
