@@ -31,8 +31,8 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("trace", "the records of every collective of a run", ("dstest.trace",)),
     (
         "rank",
-        "what a rank body sees: its context, group and shard helpers, the target adapter interface",
-        ("dstest.context", "dstest.groups", "dstest.shards", "dstest.targets.base"),
+        "what a rank body sees: its context, group and shard helpers, replica checks, the target adapter interface",
+        ("dstest.context", "dstest.groups", "dstest.shards", "dstest.replicas", "dstest.targets.base"),
     ),
     ("worlds", "the worlds that run a function on ranks: fake, threaded, process, launched, nccl", ("dstest.worlds",)),
     (

@@ -37,6 +37,8 @@ _EXPORTS = {
     "InvalidSpec": "dstest.errors",
     "InvalidWorldSize": "dstest.errors",
     "RankFailure": "dstest.errors",
+    "ReplicasDiverge": "dstest.errors",
+    "assert_replicas": "dstest.replicas",
     "WorkerDied": "dstest.errors",
     "WorldTimeout": "dstest.errors",
     "WorldsDiverge": "dstest.errors",
@@ -84,6 +86,9 @@ if TYPE_CHECKING:
         RankFailure as RankFailure,
     )
     from dstest.errors import (
+        ReplicasDiverge as ReplicasDiverge,
+    )
+    from dstest.errors import (
         WorkerDied as WorkerDied,
     )
     from dstest.errors import (
@@ -94,6 +99,7 @@ if TYPE_CHECKING:
     )
     from dstest.groups import TOPOLOGIES as TOPOLOGIES
     from dstest.groups import GroupBuilder as GroupBuilder
+    from dstest.replicas import assert_replicas as assert_replicas
     from dstest.shards import ShardLayout as ShardLayout
     from dstest.shards import padded as padded
     from dstest.shards import uneven as uneven

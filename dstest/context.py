@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import zlib
 from collections.abc import Callable, Sequence
@@ -138,6 +139,35 @@ class RankContext:
     def records_comm(self) -> bool:
         """Whether this world records collectives (``ctx.comm`` works): threaded, fake, process (gloo)."""
         return self._comm is not None
+
+    # -- replica checks (G4) -------------------------------------------------------------------------
+    def assert_replicas(
+        self,
+        module_or_tensors: object,
+        group: Any = None,
+        *,
+        rtol: float = 0.0,
+        atol: float = 0.0,
+        what: str | None = None,
+    ) -> None:
+        """Raise :class:`dstest.errors.ReplicasDiverge` on every rank of ``group`` if the replicas that must be
+        identical differ: a module's parameters and buffers (DDP unwrapped; DTensors by their ``Replicate``
+        mesh dimensions), a tensor, or a dict or list of tensors. A collective: every rank of ``group``
+        (default: the world) calls it. Bit for bit unless ``rtol``/``atol`` are given. See
+        :mod:`dstest.replicas` and docs/replicas.md.
+        """
+        from dstest.replicas import assert_replicas
+
+        assert_replicas(module_or_tensors, group, rtol=rtol, atol=atol, what=what)
+
+    def replicas_checked(
+        self, module: object, group: Any = None, *, rtol: float = 0.0, atol: float = 0.0
+    ) -> contextlib.AbstractContextManager[None]:
+        """A context manager: while active, :meth:`assert_replicas` of ``module`` after every ``optimizer.step()``
+        of an optimizer that steps its parameters (each check a collective over ``group``)."""
+        from dstest.replicas import replicas_checked
+
+        return replicas_checked(module, group, rtol=rtol, atol=atol)
 
     def attach_comm(self, view: CommView) -> None:
         """Make ``view`` this rank's ``ctx.comm`` (worlds call this when they make the context)."""

@@ -15,6 +15,7 @@ __all__ = [
     "InvalidSpec",
     "InvalidWorldSize",
     "RankFailure",
+    "ReplicasDiverge",
     "UnfinishedWork",
     "UnguardedMain",
     "UnknownFeature",
@@ -98,6 +99,14 @@ class WorkAborted(DstestError, RuntimeError):
 
 class WorldsDiverge(DstestError, AssertionError):
     """The same body gave different per-rank results or collective traces on two worlds (``dstest.crosscheck``)."""
+
+
+class ReplicasDiverge(DstestError, AssertionError):
+    """Tensors that must be identical on every rank of a group differ (G4, ``ctx.assert_replicas``).
+
+    Raised on every rank of the group with the same message: the first tensor that differs, the ranks grouped
+    by value, the largest absolute difference and where, its dtype and shape.
+    """
 
 
 class WorkerDied(DstestError, RuntimeError):
