@@ -147,7 +147,7 @@ class Work(_compat.WorkBase):  # type: ignore[misc]
         return handed_out
 
 
-class _Tensors:
+class _Tensors(_compat.OptionsReader):
     """The threaded world hands a ``Call`` the rank's own tensors (see :class:`dstest.worlds.core.c10d.Buffers`)."""
 
     one = staticmethod(c10d.one_tensor)
@@ -163,14 +163,6 @@ class _Tensors:
     @staticmethod
     def flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.empty(0)
-
-    @staticmethod
-    def op(opts: Any) -> str:
-        return _compat.reduce_op_name(opts.reduceOp)
-
-    @staticmethod
-    def root(opts: Any) -> int:
-        return int(opts.rootRank)
 
 
 _TENSORS = _Tensors()

@@ -122,7 +122,7 @@ class DoneWork(dist._Work):  # type: ignore[misc, name-defined]
         return fut
 
 
-class _Metas:
+class _Metas(_compat.OptionsReader):
     """The process world hands a ``Call`` its tensors' metadata (what the referee compares; it pickles in
     microseconds), see :class:`dstest.worlds.core.c10d.Buffers`."""
 
@@ -142,14 +142,6 @@ class _Metas:
     def flat(tensors: Sequence[Any]) -> _Meta:
         dtype = tensors[0].dtype if tensors else torch.float32
         return _Meta(dtype, (sum(t.numel() for t in tensors),), _Dev("cpu"))
-
-    @staticmethod
-    def op(opts: Any) -> str:
-        return _compat.reduce_op_name(opts.reduceOp)
-
-    @staticmethod
-    def root(opts: Any) -> int:
-        return int(opts.rootRank)
 
 
 _METAS = _Metas()

@@ -41,6 +41,7 @@ from dstest.worlds.torch_internals.c10d_world import (
 )
 from dstest.worlds.torch_internals.install import thread_local_c10d_world, thread_local_c10d_world_ensure
 from dstest.worlds.torch_internals.process_groups import (
+    OptionsReader,
     WorkBase,
     backend_registered,
     declare_self_recording,
@@ -55,6 +56,7 @@ from dstest.worlds.torch_internals.threads import create_thread_caches, release_
 
 __all__ = [
     "FreshRunState",
+    "OptionsReader",
     "RankState",
     "WorkBase",
     "adopt_rank_state",

@@ -133,3 +133,15 @@ def reduce_op_name(op: Any) -> str:
     if inner is not None and inner is not op:
         return reduce_op_name(inner)
     raise ValueError(f"unsupported reduce op {op!r}")
+
+
+class OptionsReader:
+    """How both worlds' group classes read torch's c10d options objects: the reduce op's name and the root."""
+
+    @staticmethod
+    def op(opts: Any) -> str:
+        return reduce_op_name(opts.reduceOp)
+
+    @staticmethod
+    def root(opts: Any) -> int:
+        return int(opts.rootRank)
