@@ -415,3 +415,29 @@ def test_a_run_that_imports_has_its_garbage_collected_and_its_modules_frozen(wor
     (tmp_path / f"{module}.py").write_text("VALUES = list(range(10))\n")
     PROCESS.run(RunRequest(_import_and_drop_a_cycle, world_size, args=(str(tmp_path), module)))
     assert PROCESS.run(RunRequest(_after_the_run, world_size)) == [(True, True)] * world_size
+
+
+# -- the public API compat plugins use (dstest.worlds.process.byref) ---------------------------------------
+def _reimport_this_module(ctx, ref):
+    """On a rank: the test module found again through its reference, and a rank that asks to be replaced."""
+    from dstest.worlds.process import byref
+
+    module = byref.import_module_ref(ref)
+    if ctx.rank == 1:
+        byref.replace_after_this_run("this test asks for fresh workers")
+    return module.__name__, os.getpid()
+
+
+def test_byref_finds_a_module_on_the_ranks_and_replaces_a_worker_that_asks():
+    """module_ref / import_module_ref reach the test module on every rank; a rank's replace_after_this_run
+    gives the next run fresh processes (the run's own result still comes back); free_port gives a port."""
+    from dstest.worlds.process import byref
+
+    ref = byref.module_ref(sys.modules[__name__])
+    assert ref.module == __name__ and ref.path == os.path.abspath(__file__)
+    first = PROCESS.run(RunRequest(_reimport_this_module, 2, args=(ref,), timeout=60))
+    assert [name for name, _ in first] == [__name__, __name__]
+    PROCESS.run(RunRequest(_draw_and_reduce, 2, args=(0,), timeout=60))
+    assert not set(byref.pool_pids(2)) & {pid for _, pid in first}  # rank 1 asked: the pool was replaced
+    port = byref.free_port()
+    assert isinstance(port, int) and 0 < port < 65536
