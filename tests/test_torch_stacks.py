@@ -355,11 +355,12 @@ def test_fsdp2_fully_shard_matches_single_process(ctx, opt_kind, reshard):
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     assert all(isinstance(p, DTensor) for p in model.parameters())
     opt = _optimizer(opt_kind, model.parameters())
-    for x, y in batches:
-        opt.zero_grad()
-        mine = slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)
-        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
-        opt.step()
+    with ctx.replicas_checked(model):  # G4: what must stay replicated does, after every step
+        for x, y in batches:
+            opt.zero_grad()
+            mine = slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)
+            nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+            opt.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         _close(p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-5)
 
@@ -392,13 +393,14 @@ def test_fsdp2_mixed_precision_bf16(ctx):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for x, y in batches:
-        opt.zero_grad()
-        sl = slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)
-        out = model(x[sl].to(torch.bfloat16))
-        assert out.dtype == torch.bfloat16
-        nn.functional.mse_loss(out, y[sl].to(torch.bfloat16)).backward()
-        opt.step()
+    with ctx.replicas_checked(model):
+        for x, y in batches:
+            opt.zero_grad()
+            sl = slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)
+            out = model(x[sl].to(torch.bfloat16))
+            assert out.dtype == torch.bfloat16
+            nn.functional.mse_loss(out, y[sl].to(torch.bfloat16)).backward()
+            opt.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert p.dtype == torch.float32
         _close(p.full_tensor(), q.detach(), rtol=1e-2, atol=1e-3)
@@ -421,11 +423,12 @@ def test_fsdp2_with_tensor_parallel_on_a_2d_mesh(ctx):
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
     opt = _optimizer("sgd", model.parameters())
-    for x, y in batches:
-        opt.zero_grad()
-        sl = slice(dp * 2, dp * 2 + 2)
-        nn.functional.mse_loss(model(x[sl]), y[sl]).backward()
-        opt.step()
+    with ctx.replicas_checked(model):  # the tp dimension's Replicate placements, across each tp group
+        for x, y in batches:
+            opt.zero_grad()
+            sl = slice(dp * 2, dp * 2 + 2)
+            nn.functional.mse_loss(model(x[sl]), y[sl]).backward()
+            opt.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert p.device_mesh.ndim == 2
         _close(p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-5)
@@ -452,6 +455,7 @@ def test_tensor_parallel_colwise_rowwise(ctx):
         _close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-5)
     torch.optim.SGD(tp.parameters(), lr=0.1).step()
     torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    ctx.assert_replicas(tp)  # G4: Replicate placements (the rowwise bias) equal on every rank
     for p, q in zip(tp.parameters(), ref.parameters()):
         _close(p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-5)
 
@@ -505,6 +509,15 @@ def _ddp_buckets(ctx, mode):
     ddp = DDP(model, bucket_cap_mb=1e-5, static_graph=mode == "static_graph")
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     sl = slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)
+    with ctx.replicas_checked(ddp):  # G4: every parameter and buffer equal on every rank after each step
+        _ddp_steps(ddp, opt, ref, ref_opt, batches, sl, mode)
+    # After the first iteration DDP rebuilds its buckets by bucket_cap_mb: one per parameter here.
+    assert len(ddp.reducer._get_zeros_like_grad_buckets()) == len(list(model.parameters()))
+    for p, q in zip(ddp.module.parameters(), ref.parameters()):
+        _close(p.detach(), q.detach(), rtol=1e-5, atol=1e-5)
+
+
+def _ddp_steps(ddp, opt, ref, ref_opt, batches, sl, mode):
     if mode == "no_sync":
         for i in range(0, len(batches), 2):
             (x1, y1), (x2, y2) = batches[i], batches[i + 1]
@@ -524,10 +537,6 @@ def _ddp_buckets(ctx, mode):
             opt.zero_grad()
             nn.functional.mse_loss(ddp(x[sl]), y[sl]).backward()
             opt.step()
-    # After the first iteration DDP rebuilds its buckets by bucket_cap_mb: one per parameter here.
-    assert len(ddp.reducer._get_zeros_like_grad_buckets()) == len(list(model.parameters()))
-    for p, q in zip(ddp.module.parameters(), ref.parameters()):
-        _close(p.detach(), q.detach(), rtol=1e-5, atol=1e-5)
 
 
 test_ddp_buckets = pytest.mark.parametrize("mode", ["no_sync", "static_graph"])(
