@@ -16,6 +16,7 @@ __all__ = [
     "InvalidWorldSize",
     "RankFailure",
     "ReplicasDiverge",
+    "StateLeftBehind",
     "UnfinishedWork",
     "UnguardedMain",
     "UnknownFeature",
@@ -107,6 +108,12 @@ class ReplicasDiverge(DstestError, AssertionError):
     Raised on every rank of the group with the same message: the first tensor that differs, the ranks grouped
     by value, the largest absolute difference and where, its dtype and shape.
     """
+
+
+class StateLeftBehind(UserWarning):
+    """A run changed module-level state of a watched package in a warm worker (``RunRequest.watch_modules``):
+    a fresh process would not have seen it in the next test. dstest put it back; the message names each
+    ``module.name`` and what was done. A finding about the code under test, not a failure."""
 
 
 class WorkerDied(DstestError, RuntimeError):

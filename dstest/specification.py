@@ -428,6 +428,7 @@ def run(
     target: str = "impl",
     async_hazards: bool = False,
     strict_shapes: bool = False,
+    watch_modules: Sequence[str] = (),
 ) -> list[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on every rank of a world; returns per-rank results.
 
@@ -443,7 +444,9 @@ def run(
     ``async def`` ``fn`` raise :class:`InvalidArgument`. ``async_hazards=True`` poisons unwaited
     async outputs (:mod:`dstest.worlds._hazards`; threaded worlds); ``strict_shapes=True`` refuses
     collectives whose ranks' buffers differ only in shape (by default, as on gloo and NCCL, element counts
-    and dtypes must match, shapes may differ). Wrap the call in
+    and dtypes must match, shapes may differ). ``watch_modules`` (process world): module-level state of those
+    modules that the run changes is put back after it and reported as :class:`~dstest.errors.StateLeftBehind`.
+    Wrap the call in
     :func:`dstest.recording` to keep its collective trace.
     """
     info = spec_info(fn)
@@ -463,6 +466,7 @@ def run(
         setup=TargetBinding(target),  # binding(ctx) on every rank, then fn
         async_hazards=async_hazards,
         strict_shapes=strict_shapes or (info is not None and info.strict_shapes),
+        watch_modules=tuple(watch_modules) if not isinstance(watch_modules, str) else (watch_modules,),
     )
     from dstest.worlds import get_world
 

@@ -709,3 +709,41 @@ def test_the_deepspeed_reset_is_registered_and_cheap_without_deepspeed() -> None
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == []  # it imported nothing of DeepSpeed
+
+
+LEAKS = """
+    import deepspeed
+    from unit.common import DistributedTest
+
+
+    class TestLeaves(DistributedTest):
+        world_size = 2
+
+        def test_changes_module_state(self):
+            deepspeed.LEVEL = "changed by a test"
+            deepspeed.SEEN.append(1)
+
+
+    class TestNext(DistributedTest):
+        world_size = 2
+
+        def test_sees_a_fresh_module(self):
+            assert deepspeed.LEVEL == "fresh" and deepspeed.SEEN == []
+"""
+
+
+def test_deepspeed_module_state_a_test_leaves_is_put_back_and_named(pytester: pytest.Pytester) -> None:
+    """Issue 28: what a test leaves in DeepSpeed's module globals (here a stand-in ``deepspeed`` package) is put
+    back before the next test on the same warm workers, and named in a StateLeftBehind warning of that test."""
+    _suite(pytester, LEAKS, **{"deepspeed/__init__.py": 'LEVEL = "fresh"\nSEEN = []\n'})
+    result, verdicts = _run(pytester, "-W", "default::dstest.errors.StateLeftBehind")
+    assert verdicts == {"test_changes_module_state": "passed", "test_sees_a_fresh_module": "passed"}, (
+        result.stdout.str()
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "*test_changes_module_state*",
+            "*StateLeftBehind: *deepspeed.LEVEL: rebound to a str; put back; "
+            "deepspeed.SEEN: its list changed in place; contents put back*",
+        ]
+    )

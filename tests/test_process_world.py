@@ -442,3 +442,49 @@ def test_byref_finds_a_module_on_the_ranks_and_replaces_a_worker_that_asks():
     assert not set(byref.pool_pids(2)) & {pid for _, pid in first}  # rank 1 asked: the pool was replaced
     port = byref.free_port()
     assert isinstance(port, int) and 0 < port < 65536
+
+
+# -- module-level state a run leaves behind (RunRequest.watch_modules, state_watch) -------------------------
+LEAKY_SETTING = "fresh"
+LEAKY_LIST: list[int] = []
+
+
+def _leave_state(ctx):
+    """What a library's test might do to its module: rebind a global, grow a list in place, add a name."""
+    global LEAKY_SETTING
+    LEAKY_SETTING = f"set by rank {ctx.rank}"
+    LEAKY_LIST.append(ctx.rank)
+    globals()["LEAKY_NEW"] = ctx.rank
+
+
+def _read_state(ctx):
+    return LEAKY_SETTING, list(LEAKY_LIST), "LEAKY_NEW" in globals()
+
+
+def test_state_a_run_leaves_in_a_watched_module_is_put_back_and_named():
+    """The next run starts as a fresh process would: each change put back, each named in one warning."""
+    from dstest.errors import StateLeftBehind
+
+    request = RunRequest(_leave_state, 2, watch_modules=(__name__,), timeout=60)
+    with pytest.warns(StateLeftBehind) as caught:
+        PROCESS.run(request)
+    (warning,) = caught
+    text = str(warning.message)
+    assert f"{__name__}.LEAKY_SETTING: rebound to a str; put back" in text
+    assert f"{__name__}.LEAKY_LIST: its list changed in place; contents put back" in text
+    assert f"{__name__}.LEAKY_NEW: added by the run (int); removed" in text
+    again = PROCESS.run(RunRequest(_read_state, 2, watch_modules=(__name__,), timeout=60))
+    assert again == [("fresh", [], False)] * 2
+
+
+def test_unwatched_state_reaches_the_next_run_of_a_warm_worker():
+    """Without the watch (a pool of its own: 3 ranks), the same run's changes reach the next run: what the
+    watch is for."""
+    PROCESS.run(RunRequest(_leave_state, 3, timeout=60))
+    got = PROCESS.run(RunRequest(_read_state, 3, timeout=60))
+    assert [(setting, seen) for setting, seen, _ in got] == [(f"set by rank {r}", [r]) for r in range(3)]
+
+
+def test_watch_modules_is_checked_when_the_request_is_made():
+    with pytest.raises(InvalidArgument, match=r"watch_modules=\['deep speed'\]: give module names or prefixes"):
+        RunRequest(_read_state, 2, watch_modules=["deep speed"])

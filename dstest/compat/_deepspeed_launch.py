@@ -235,6 +235,7 @@ def _run_warm(state: LaunchState, test: Any, nodeid: str, procs: int) -> None:
             args=(payload, ref, list(sys.path), port, hide),
             timeout=timeout,
             strict_shapes=state.strict_shapes,
+            watch_modules=("deepspeed",),  # what a test leaves in DeepSpeed's module globals is put back, named
         )
         results = ProcessWorld().run(request)
     except (RankFailure, WorldTimeout, WorkerDied) as exc:

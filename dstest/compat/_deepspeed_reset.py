@@ -41,7 +41,8 @@ def reset_deepspeed() -> None:
     never imported here): the communication backend (``deepspeed.comm``), the process groups cached in
     ``deepspeed.utils.groups``, an open ZeRO-3 ``Init`` context, its buffers and its replacement of
     ``torch.nn.functional.linear``, activation checkpointing's
-    configuration and buffers, and the accelerator if a test replaced it."""
+    configuration and buffers, AutoTP's mode and recorded ``tp_model_init`` arguments, and the accelerator if
+    a test replaced it."""
     if "deepspeed" not in sys.modules:
         return
     comm: Any = sys.modules.get("deepspeed.comm.comm")
@@ -83,6 +84,7 @@ def reset_deepspeed() -> None:
         for name in _CHECKPOINTING_LISTS:
             if hasattr(checkpointing, name):
                 setattr(checkpointing, name, [])
+    _reset_autotp()
     accelerator: Any = sys.modules.get("deepspeed.accelerator.real_accelerator")
     if accelerator is not None and getattr(accelerator, "ds_accelerator", None) is not None:
         if not _first_accelerator:
@@ -90,6 +92,18 @@ def reset_deepspeed() -> None:
         elif accelerator.ds_accelerator is not _first_accelerator[0]:
             accelerator.ds_accelerator = _first_accelerator[0]
         _reset_memory_peak(accelerator.ds_accelerator)
+
+
+def _reset_autotp() -> None:
+    """``deepspeed.tp_model_init`` records its arguments in a module global and switches AutoTP to training
+    mode; a later test in the same worker would see an earlier test's call ("Conflicting tp_model_init
+    arguments"). Found by the generic watch of DeepSpeed's module state (:mod:`dstest.worlds.process.state_watch`)."""
+    init_utils: Any = sys.modules.get("deepspeed.runtime.tensor_parallel.init_utils")
+    if init_utils is not None and hasattr(init_utils, "_TP_MODEL_INIT_ARGS"):
+        init_utils._TP_MODEL_INIT_ARGS = None
+    layers: Any = sys.modules.get("deepspeed.module_inject.layers")
+    if layers is not None and hasattr(layers, "AUTOTP_MODE") and hasattr(layers, "DEEPSPEED_AUTOTP_MODE"):
+        layers.DEEPSPEED_AUTOTP_MODE = layers.AUTOTP_MODE.INFERENCE
 
 
 def _reset_memory_peak(accelerator: Any) -> None:

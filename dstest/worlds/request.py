@@ -26,6 +26,18 @@ DEFAULT_TIMEOUT = 60.0
 DEFAULT_SEED = 0
 
 
+def _module_prefixes(value: object) -> tuple[str, ...]:
+    names = (value,) if isinstance(value, str) else value
+    ok = isinstance(names, tuple | list) and all(
+        isinstance(n, str) and n and all(part.isidentifier() for part in n.split(".")) for n in names
+    )
+    if not ok:
+        raise InvalidArgument(
+            f"watch_modules={value!r}: give module names or prefixes as a tuple of str (e.g. ('deepspeed',))"
+        )
+    return tuple(names)  # type: ignore[arg-type]
+
+
 def _bool(value: object, name: str) -> bool:
     if not isinstance(value, bool):
         raise InvalidArgument(f"{name}={value!r}: must be True or False, got a {type(value).__name__}")
@@ -40,7 +52,11 @@ class RunRequest:
     other processes pickles it). ``async_hazards`` poisons outputs of async collectives read before their wait
     (worlds that can); ``strict_shapes`` makes buffers that differ only in shape a mismatch. ``recorder`` is
     the :class:`dstest.trace.Recorder` the run writes its collectives into; None gives the run a
-    fresh one. Made once, checked once: a bad value raises :class:`~dstest.errors.InvalidArgument` naming it.
+    fresh one. ``watch_modules`` (module names or prefixes, e.g. ``("deepspeed",)``): in the process world,
+    what a run changes in their module-level state is put back after it and reported as
+    :class:`~dstest.errors.StateLeftBehind` (:mod:`dstest.worlds.process.state_watch`); in-process worlds
+    share their modules between ranks and ignore it. Made once, checked once: a bad value raises
+    :class:`~dstest.errors.InvalidArgument` naming it.
     """
 
     fn: Callable[..., Any]
@@ -53,6 +69,7 @@ class RunRequest:
     async_hazards: bool = False
     strict_shapes: bool = False
     recorder: Any = None
+    watch_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_rank_function(self.fn)
@@ -73,6 +90,7 @@ class RunRequest:
             raise InvalidArgument(f"setup={self.setup!r}: must be callable as setup(ctx), or None")
         _bool(self.async_hazards, "async_hazards")
         _bool(self.strict_shapes, "strict_shapes")
+        put(self, "watch_modules", _module_prefixes(self.watch_modules))
         if self.recorder is not None and not hasattr(self.recorder, "view"):
             raise InvalidArgument(f"recorder={self.recorder!r}: must be a dstest.trace Recorder, or None")
 

@@ -37,6 +37,7 @@ class _Command(NamedTuple):
     seed: int
     setup: Any  # a picklable setup(ctx) to run on each rank before the function (RunRequest.setup), or None
     resets: tuple[str, ...] = ()  # dstest.resets references to call before the run, in order
+    watch: tuple[str, ...] = ()  # module prefixes whose module-level state is put back after the run
 
 
 class _Reply(NamedTuple):
@@ -49,6 +50,7 @@ class _Reply(NamedTuple):
     output: str  # what the rank printed during the run (stdout and stderr, interleaved)
     unhealthy: str | None  # why this worker cannot serve another run (it destroyed the world group, ...)
     trace: Any = None  # the rank's collective records and totals (_trace.Recorder.export), gloo pools
+    left_behind: tuple[str, ...] = ()  # module-level state the run changed in watched modules, put back
 
 
 @dataclass(frozen=True)

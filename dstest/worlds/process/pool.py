@@ -23,6 +23,7 @@ import dstest.trace as _trace
 from dstest.errors import (
     InvalidArgument,
     RankFailure,
+    StateLeftBehind,
     WorkerDied,
     WorldAborted,
     WorldTimeout,
@@ -268,7 +269,14 @@ class _Pool:
         self.wait_ready()
         run_id = next(self.run_ids)
         command = _Command(
-            run_id, ref, tuple(request.args), request.call_kwargs(), request.seed, request.setup, registered_resets()
+            run_id,
+            ref,
+            tuple(request.args),
+            request.call_kwargs(),
+            request.seed,
+            request.setup,
+            registered_resets(),
+            request.watch_modules,
         )
         try:
             blob = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
@@ -287,6 +295,7 @@ class _Pool:
         for r in sorted(replies):
             _forward_output(r, replies[r].output)
         _take_traces(replies, recorder)
+        _warn_state_left_behind(ref, replies)
         if dead or len(replies) < W:
             self._raise_incomplete(ref, request.timeout, replies, dead, first_failure, log_starts, recorder)
         unhealthy = {r: rep.unhealthy for r, rep in replies.items() if rep.unhealthy}
@@ -495,6 +504,21 @@ def _rank_failure(
         dict(sorted(tracebacks.items())),
         dict(sorted(exceptions.items())),
     )
+
+
+def _warn_state_left_behind(ref: _FnRef, replies: dict[int, _Reply]) -> None:
+    """One :class:`StateLeftBehind` warning for what the run changed in watched modules, on any rank."""
+    found = sorted({item for rep in replies.values() for item in rep.left_behind})
+    if found:
+        import warnings
+
+        warnings.warn(
+            StateLeftBehind(
+                f"{ref.qualname} left module-level state behind in the warm workers (put back before the next "
+                "run; a fresh process would not have seen it): " + "; ".join(found)
+            ),
+            stacklevel=2,
+        )
 
 
 def _take_traces(replies: dict[int, _Reply], recorder: _trace.Recorder) -> None:

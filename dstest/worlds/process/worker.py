@@ -214,6 +214,7 @@ class _Server:
         self.functions: dict[_FnRef, Callable[..., Any]] = {}
         self.fresh = FreshRunState()  # also keeps the world group, which every run must leave in place
         self.unusable: str | None = None  # why this worker must be replaced after the run
+        self.watches: dict[tuple[str, ...], Any] = {}  # module prefixes -> their ModuleStateWatch
 
     def serve(self, blob: bytes) -> _Reply:
         import random
@@ -242,6 +243,7 @@ class _Server:
             except BaseException:
                 self.unusable = "a reset of process-global state failed before the run (dstest.resets)"
                 raise
+            self._watch(cmd.watch)
             ctx = RankContext(
                 rank=rank,
                 world_size=self.cfg.key.world_size,
@@ -264,6 +266,7 @@ class _Server:
                 RankContext.unbind(token)
         except BaseException as exc:  # the parent reports every rank's outcome, so catch all
             failure = exc
+        left_behind = self._check_state(cmd.watch, cmd.resets) if run_id >= 0 else []
         check_unhealthy = None
         if checking:
             assert self.checker is not None
@@ -289,7 +292,32 @@ class _Server:
             exc_blob = _pickle_exception(failure)
         unhealthy = self._end_run() or check_unhealthy
         trace = self.checker.recorder.export(rank) if self.checker is not None else None
-        return _Reply(run_id, rank, ok, result, tb, exc_blob, self._output_since(start), unhealthy, trace)
+        output = self._output_since(start)
+        return _Reply(run_id, rank, ok, result, tb, exc_blob, output, unhealthy, trace, tuple(left_behind))
+
+    def _watch(self, prefixes: tuple[str, ...]) -> None:
+        """Start watching the module-level state of ``prefixes`` (at the first run that names them)."""
+        if prefixes and prefixes not in self.watches:
+            from dstest.worlds.process.state_watch import ModuleStateWatch
+
+            self.watches[prefixes] = ModuleStateWatch(prefixes)
+
+    def _check_state(self, prefixes: tuple[str, ...], resets: tuple[str, ...]) -> list[str]:
+        """After a run: the hand-kept resets first (the fast path: what they put back is not reported), then
+        put back what the run changed in the watched modules; a failure makes the worker unusable."""
+        watch = self.watches.get(prefixes)
+        if watch is None:
+            return []
+        try:
+            apply_resets(resets)
+        except BaseException as exc:
+            self.unusable = self.unusable or f"a reset of process-global state failed after the run: {exc}"
+            return []
+        found: list[str]
+        found, unusable = watch.check_and_restore()
+        if unusable is not None:
+            self.unusable = self.unusable or unusable
+        return found
 
     # -- finding the function ------------------------------------------------------------------------
     def _resolve(self, ref: _FnRef) -> Callable[..., Any]:

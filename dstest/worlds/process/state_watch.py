@@ -1,0 +1,130 @@
+"""Module-level state a run leaves behind in a warm worker: found by comparison, put back, named.
+
+A warm worker serves one run after another; a fresh process would start each of them with the libraries'
+module globals as importing them left them. Hand-kept resets (:mod:`dstest.resets`) undo what is known to
+change; this watch catches what nobody listed, generically. For the module prefixes a run names
+(``RunRequest.watch_modules``, e.g. ``("deepspeed",)``), the worker keeps, at the first run that names them,
+each watched module's globals: the object bound to every name, and a shallow copy of every dict, list and
+set. After each run it compares:
+
+- a name bound to another object, or a name the run added: the old binding is put back (the added name is
+  removed);
+- a dict, list or set changed in place: its contents are put back;
+- anything that cannot be put back (a module that refuses the assignment) makes the worker unusable: the
+  pool replaces it before the next run.
+
+Each difference is reported as ``module.name`` with what was done, and the parent warns with
+:class:`dstest.errors.StateLeftBehind`, a finding about the code under test: it would have reached the next
+test. What is compared is bindings and the shallow contents of containers; an object changed through its
+own attributes (``obj.field = x`` on a module-level object) is not seen. Modules first imported during a
+run are watched from the end of that run on.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+from typing import Any
+
+__all__ = ["ModuleStateWatch"]
+
+_CONTAINERS = (dict, list, set)
+
+
+def _copy(value: Any) -> Any:
+    """A shallow copy of a dict, list or set (exactly those types; subclasses may not copy safely), else None."""
+    kind = type(value)
+    if kind is dict:
+        return dict(value)
+    if kind is list:
+        return list(value)
+    if kind is set:
+        return set(value)
+    return None
+
+
+def _same_contents(saved: Any, value: Any) -> bool:
+    """Whether a container holds the same objects it held when saved (by identity, as a fresh run needs)."""
+    if type(saved) is dict:
+        return saved.keys() == value.keys() and all(saved[k] is value[k] for k in saved)
+    if type(saved) is list:
+        return len(saved) == len(value) and all(a is b for a, b in zip(saved, value, strict=True))
+    return bool(saved == value)  # a set: its members compare by hash and equality
+
+
+def _restore_contents(value: Any, saved: Any) -> None:
+    if type(value) is list:
+        value[:] = saved
+    else:
+        value.clear()
+        value.update(saved)
+
+
+class _Saved:
+    """One module's globals when watching began: name -> (object, shallow copy of a container or None)."""
+
+    __slots__ = ("bindings", "module")
+
+    def __init__(self, module: ModuleType) -> None:
+        self.module = module
+        self.bindings = {
+            name: (value, _copy(value))
+            for name, value in vars(module).items()
+            if not (name.startswith("__") and name.endswith("__")) and not isinstance(value, ModuleType)
+        }
+
+
+class ModuleStateWatch:
+    """The watched modules of one worker, by prefix (a module ``p`` or any ``p.x``)."""
+
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        self.prefixes = prefixes
+        self.saved: dict[str, _Saved] = {}
+        self._add_new_modules()
+
+    def _watched(self, name: str) -> bool:
+        return any(name == p or name.startswith(p + ".") for p in self.prefixes)
+
+    def _add_new_modules(self) -> None:
+        for name, module in list(sys.modules.items()):
+            if name not in self.saved and isinstance(module, ModuleType) and self._watched(name):
+                self.saved[name] = _Saved(module)
+
+    def check_and_restore(self) -> tuple[list[str], str | None]:
+        """After a run: what it left changed (each put back), and why the worker is unusable, if it is."""
+        found: list[str] = []
+        unusable = None
+        for name, saved in self.saved.items():
+            try:
+                found.extend(self._restore_module(name, saved))
+            except Exception as exc:  # a module that refuses: only a fresh process is clean
+                unusable = f"could not put back the module-level state of {name} ({type(exc).__name__}: {exc})"
+                found.append(f"{name}: changed, and could not be put back; the worker is replaced")
+        self._add_new_modules()
+        return found, unusable
+
+    @staticmethod
+    def _restore_module(name: str, saved: _Saved) -> list[str]:
+        found = []
+        namespace = vars(saved.module)
+        for attr in [a for a in namespace if a not in saved.bindings]:
+            value = namespace[attr]
+            if (attr.startswith("__") and attr.endswith("__")) or isinstance(value, ModuleType):
+                continue
+            del namespace[attr]
+            found.append(f"{name}.{attr}: added by the run ({type(value).__name__}); removed")
+        for attr, (value, copy) in saved.bindings.items():
+            now = namespace.get(attr, _MISSING)
+            if now is not value and copy is not None and type(now) is type(value) and _same_contents(copy, now):
+                continue  # a fresh container equal to the saved one (what a reset makes): nothing to report
+            if now is not value:
+                namespace[attr] = value
+                was = "deleted" if now is _MISSING else f"rebound to a {type(now).__name__}"
+                found.append(f"{name}.{attr}: {was}; put back")
+            elif copy is not None and not _same_contents(copy, value):
+                _restore_contents(value, copy)
+                found.append(f"{name}.{attr}: its {type(value).__name__} changed in place; contents put back")
+        return found
+
+
+_MISSING = object()
