@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from dstest.errors import InvalidArgument
+from dstest.worlds.core.faults import check_faults
 from dstest.worlds.protocol import check_rank_function, check_seed, check_timeout, check_world_size
 
 __all__ = ["DEFAULT_SEED", "DEFAULT_TIMEOUT", "RunRequest"]
@@ -40,7 +41,8 @@ class RunRequest:
     other processes pickles it). ``async_hazards`` poisons outputs of async collectives read before their wait
     (worlds that can); ``strict_shapes`` makes buffers that differ only in shape a mismatch. ``recorder`` is
     the :class:`dstest.trace.Recorder` the run writes its collectives into; None gives the run a
-    fresh one. Made once, checked once: a bad value raises :class:`~dstest.errors.InvalidArgument` naming it.
+    fresh one. ``faults``: :mod:`dstest.faults` to inject (``Kill``, ``Fail``, ``Delay``; threaded and
+    process worlds; contract G5). Made once, checked once: a bad value raises :class:`~dstest.errors.InvalidArgument` naming it.
     """
 
     fn: Callable[..., Any]
@@ -53,6 +55,7 @@ class RunRequest:
     async_hazards: bool = False
     strict_shapes: bool = False
     recorder: Any = None
+    faults: Sequence[Any] = ()
 
     def __post_init__(self) -> None:
         check_rank_function(self.fn)
@@ -75,6 +78,7 @@ class RunRequest:
         _bool(self.strict_shapes, "strict_shapes")
         if self.recorder is not None and not hasattr(self.recorder, "view"):
             raise InvalidArgument(f"recorder={self.recorder!r}: must be a dstest.trace Recorder, or None")
+        put(self, "faults", check_faults(self.faults, self.world_size))
 
     def call_kwargs(self) -> dict[str, Any]:
         """The keyword arguments as a fresh dict (each rank gets its own)."""
@@ -89,6 +93,14 @@ class RunRequest:
     def replace(self, **changes: Any) -> RunRequest:
         """This request with some fields changed (checked again)."""
         return dataclasses.replace(self, **changes)
+
+    def refuse_faults(self, world: str) -> None:
+        """Raise InvalidArgument when this request injects faults into a world that cannot (contract G5)."""
+        if self.faults:
+            raise InvalidArgument(
+                f"faults={list(self.faults)!r}: the {world} world cannot inject faults; faults run on "
+                "world='threaded' and world='process' (gloo)"
+            )
 
     @property
     def name(self) -> str:

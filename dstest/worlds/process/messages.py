@@ -37,6 +37,7 @@ class _Command(NamedTuple):
     seed: int
     setup: Any  # a picklable setup(ctx) to run on each rank before the function (RunRequest.setup), or None
     resets: tuple[str, ...] = ()  # dstest.resets references to call before the run, in order
+    faults: tuple[Any, ...] = ()  # the run's injected faults (RunRequest.faults, contract G5)
 
 
 class _Reply(NamedTuple):
