@@ -318,7 +318,8 @@ class Session:
             self.ranks[wait.global_rank].open[id(wait)] = wait
             if ex.missing:
                 if self.done:  # only a finished rank can doom it; most runs have none mid-collective
-                    gone = ex.left(self.done)
+                    gone = ex.left(self.killed) if self.killed else None  # a killed peer is the cause
+                    gone = ex.left(self.done) if gone is None else gone
                     if gone is not None:
                         self._doom_waits_needing(gone)
                 return wait

@@ -121,7 +121,8 @@ class _Referee:
         if why is not None:
             self._fail_exchange(ex, "mismatch", why)
             return
-        gone = ex.left(self.done)
+        gone = ex.left(self.killed) if self.killed else None  # a killed peer is the cause, if any
+        gone = ex.left(self.done) if gone is None else gone
         if gone is not None:
             kind, phrase = self._gone(gone)
             self._fail_exchange(ex, kind, ex.left_text(gone, phrase))
