@@ -269,3 +269,16 @@ def test_counting_is_per_op_and_group() -> None:
 
 def test_injected_fault_is_a_backend_error() -> None:
     assert issubclass(InjectedFault, dist.DistBackendError) and issubclass(InjectedFault, RuntimeError)
+
+
+def fail_uncaught(ctx: Any) -> None:
+    dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_an_uncaught_fail_fails_the_run_and_the_report_names_it(world: str) -> None:
+    with pytest.raises(dstest.RankFailure) as info:
+        _run(world, fail_uncaught, 2, faults=[Fail(0, nth=1)])
+    text = str(info.value)
+    assert "InjectedFault: injected fault: rank 0's all_reduce on group world (seq 1) failed" in text
+    assert "Fail(rank 0 at its all_reduce #1 on any group)" in text

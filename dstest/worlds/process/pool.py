@@ -302,7 +302,7 @@ class _Pool:
         if unhealthy or killed:
             self.stop()  # the caller starts a fresh pool for the next run
         if any(not rep.ok for rep in replies.values()):
-            note = "".join(f"\ninjected fault that fired: {f.describe()}" for f in killed.values())
+            note = _fault_note(request.faults, killed)
             raise _rank_failure(self._label(), W, replies, {}, pool_replaced=bool(unhealthy or killed), note=note)
         results: list[Any] = []
         for r in range(W):
@@ -523,6 +523,14 @@ def _rank_failure(
         dict(sorted(tracebacks.items())),
         dict(sorted(exceptions.items())),
     )
+
+
+def _fault_note(faults: Any, killed: dict[int, Any]) -> str:
+    """For a failure report: the run's injected faults (contract G5), and the ranks a Kill ended."""
+    if not faults:
+        return ""
+    dead = f" (ranks {sorted(killed)} were killed)" if killed else ""
+    return "\ninjected faults of the run: " + "; ".join(f.describe() for f in faults) + dead
 
 
 def _take_traces(replies: dict[int, _Reply], recorder: _trace.Recorder) -> None:
