@@ -282,3 +282,34 @@ def test_an_uncaught_fail_fails_the_run_and_the_report_names_it(world: str) -> N
     text = str(info.value)
     assert "InjectedFault: injected fault: rank 0's all_reduce on group world (seq 1) failed" in text
     assert "Fail(rank 0 at its all_reduce #1 on any group)" in text
+
+
+def subgroup_all_reduces(ctx: Any) -> list[str]:
+    """An all_reduce on the world, then on group [0, 1] (rank 2 is not a member)."""
+    out = []
+    group = dist.new_group([0, 1])
+    dist.all_reduce(torch.ones(1))
+    if ctx.rank in (0, 1):
+        try:
+            dist.all_reduce(torch.ones(1), group=group)
+            out.append("ok")
+        except dist.DistBackendError as exc:
+            out.append(str(exc))
+    return out
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_kill_on_a_subgroup(world: str) -> None:
+    results, seconds = _run(world, subgroup_all_reduces, faults=[Kill(1, nth=1, group=[0, 1])])
+    assert seconds < 5.0
+    assert results[1] == Killed(1, "all_reduce #1 on group [0, 1]")
+    assert results[2] == []
+    assert results[0][0].startswith("rank 1 was killed by an injected fault (dstest Kill at its all_reduce #1 on group [0, 1])")
+
+
+def test_kill_on_a_cold_threaded_world() -> None:
+    from dstest.worlds.threaded import ThreadedWorld
+
+    results = ThreadedWorld(warm=False).run(RunRequest(all_reduces, 3, faults=[Kill(2, nth=2)], timeout=TIMEOUT))
+    assert results[2] == Killed(2, "all_reduce #2 on any group")
+    assert results[0][0] == "ok" and "rank 2 was killed" in results[0][1]
