@@ -313,3 +313,27 @@ def test_kill_on_a_cold_threaded_world() -> None:
     results = ThreadedWorld(warm=False).run(RunRequest(all_reduces, 3, faults=[Kill(2, nth=2)], timeout=TIMEOUT))
     assert results[2] == Killed(2, "all_reduce #2 on any group")
     assert results[0][0] == "ok" and "rank 2 was killed" in results[0][1]
+
+
+def async_then_killed(ctx: Any) -> str:
+    """Rank 1 posts an async all_reduce, never waits, and dies at its next one; the others post theirs late."""
+    t = torch.ones(1)
+    if ctx.rank == 1:
+        dist.all_reduce(t, async_op=True)
+        dist.all_reduce(t)  # killed here
+        return "not reached"
+    time.sleep(0.5)
+    try:
+        dist.all_reduce(t)
+    except dist.DistBackendError as exc:
+        return str(exc)
+    return "completed"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_work_a_killed_rank_posted_never_completes(world: str) -> None:
+    results, seconds = _run(world, async_then_killed, faults=[Kill(1, nth=2)])
+    assert seconds < 5.0
+    assert results[1] == Killed(1, "all_reduce #2 on any group")
+    for r in (0, 2):
+        assert results[r].startswith("collective on group world (seq 1) cannot complete: rank 1 was killed"), results[r]

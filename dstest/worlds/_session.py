@@ -475,12 +475,17 @@ class Session:
         return (CollectiveMismatch, FINISHED) if fault is None else (InjectedFault, killed_phrase(fault))
 
     def _doom_waits_needing(self, rank: int) -> None:
-        """Under the lock: fail every collective and transfer that still needs ``rank`` (it finished)."""
+        """Under the lock: fail every collective and transfer that still needs ``rank`` (it finished); for a
+        rank a Kill ended, also those it had joined (as the process world's referee does: a dead process's
+        side of a collective never runs)."""
         cls, phrase = self._left_how(rank)
+        killed = cls is InjectedFault
         for key, ex in list(self.exchanges.items()):
-            if rank in ex.global_ranks and ex.calls[ex.global_ranks.index(rank)] is None:
+            if rank in ex.global_ranks and (killed or ex.calls[ex.global_ranks.index(rank)] is None):
                 del self.exchanges[key]
                 self._fail_exchange(ex, cls(ex.left_text(rank, phrase)))
+                if killed:  # its later sides get the same error (see arrive)
+                    self.failed_exchanges[key] = ex
         for w in self.p2p.drop(lambda w: w.peer == rank):
             w.complete(cls(matching.p2p_left_text(w.global_rank, w.describe(), w.kind, rank, phrase)))
 
