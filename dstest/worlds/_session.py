@@ -8,7 +8,11 @@ future handed out by ``Work.get_future()``; both are seen by the deadlock check:
   pending call of each rank (a mismatch of groups or peers, a rank that skips a collective);
 - when a rank *finishes its function*, every collective and transfer that still needs it can never
   complete: it fails at once, so a rank blocked on it through a future (DDP's reducer, FSDP's hooks) is
-  woken with the error instead of hanging.
+  woken with the error instead of hanging;
+- a rank that an injected ``Kill`` ended (contract G5, :mod:`dstest.worlds.core.faults`) left the run the
+  same way, and the waits that need it fail with :class:`~dstest.worlds.injected.InjectedFault` (a backend
+  error, as gloo and NCCL raise when a peer is gone) instead of a mismatch; so do the sides of a
+  collective a ``Fail`` broke.
 
 What a rank leaves behind is checked when it finishes (:meth:`Session.rank_done`): work it posted that no
 rank matched or that it never waited, and errors dstest raised into its code that the code caught. Each
