@@ -45,10 +45,15 @@ _EXPORTS = {
     "crosscheck": "dstest.crosscheck",
 }
 
-__all__ = sorted(_EXPORTS)
+#: Public submodules that load on first attribute access (``dstest.faults.Kill``).
+_SUBMODULES = ("faults",)
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"dstest.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'dstest' has no attribute {name!r}")
@@ -62,6 +67,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from dstest import faults as faults
     from dstest.context import RankContext as RankContext
     from dstest.crosscheck import crosscheck as crosscheck
     from dstest.errors import (

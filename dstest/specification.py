@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 from dstest.binding import TargetBinding
 from dstest.errors import InvalidArgument, InvalidSpec, InvalidWorldSize, RankFailure
 from dstest.registry import check_target, check_world_name
+from dstest.worlds.core.faults import check_faults
 from dstest.worlds.protocol import RANK_FN_ATTR, check_rank_function, check_seed, check_timeout
 from dstest.worlds.request import DEFAULT_SEED, DEFAULT_TIMEOUT, RunRequest
 
@@ -77,6 +78,7 @@ class SpecInfo:
     method: bool = False
     async_hazards: bool = False
     strict_shapes: bool = False
+    faults: tuple[Any, ...] = ()  # dstest.faults to inject in every case (contract G5)
 
     @property
     def name(self) -> str:
@@ -292,6 +294,7 @@ def spec(
     contract: str | None = None,
     async_hazards: bool = False,
     strict_shapes: bool = False,
+    faults: Iterable[Any] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare a spec: ``fn(ctx, **params)`` runs on every rank of each (world, world size).
 
@@ -301,7 +304,9 @@ def spec(
     poisons the outputs of async collectives and irecvs until they are waited (see
     :mod:`dstest.worlds._hazards`; threaded worlds only, like ``--dstest-async-hazards``).
     ``strict_shapes=True`` also refuses collectives whose ranks' buffers differ only in shape (gloo and
-    NCCL compare element counts and dtypes; like ``--dstest-strict-shapes``).
+    NCCL compare element counts and dtypes; like ``--dstest-strict-shapes``). ``faults``: the
+    :mod:`dstest.faults` (``Kill``, ``Fail``, ``Delay``) injected in every case (threaded and process worlds;
+    contract G5).
 
     In a test class, write ``def test_x(self, ctx, ...)``: ``self`` is the instance pytest made (shared by
     the ranks of in-process worlds, a pickled copy per rank in the process world), ``ctx`` the rank's
@@ -314,6 +319,7 @@ def spec(
         raise InvalidArgument(f"contract={contract!r}: must be a str naming a contract of docs/contracts.md (e.g. 'A4'), or None")
     check_async_hazards(async_hazards, names)
     check_strict_shapes(strict_shapes)
+    injected = check_faults(faults)
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         check_rank_function(fn, "@dstest.spec body")
@@ -329,6 +335,7 @@ def spec(
             method=method,
             async_hazards=async_hazards,
             strict_shapes=strict_shapes,
+            faults=injected,
         )
         return _as_pytest_function(_spec_wrapper(fn, info, method), fn, info, method, rest)
 
@@ -429,6 +436,7 @@ def run(
     async_hazards: bool = False,
     strict_shapes: bool = False,
     watch_modules: Sequence[str] = (),
+    faults: Iterable[Any] | None = None,
 ) -> list[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on every rank of a world; returns per-rank results.
 
@@ -446,7 +454,8 @@ def run(
     collectives whose ranks' buffers differ only in shape (by default, as on gloo and NCCL, element counts
     and dtypes must match, shapes may differ). ``watch_modules`` (process world): module-level state of those
     modules that the run changes is put back after it and reported as :class:`~dstest.errors.StateLeftBehind`.
-    Wrap the call in
+    ``faults``: :mod:`dstest.faults` to inject (``Kill``, ``Fail``, ``Delay``; threaded and process worlds; a
+    killed rank's result is a ``dstest.faults.Killed``; contract G5). Wrap the call in
     :func:`dstest.recording` to keep its collective trace.
     """
     info = spec_info(fn)
@@ -467,6 +476,7 @@ def run(
         async_hazards=async_hazards,
         strict_shapes=strict_shapes or (info is not None and info.strict_shapes),
         watch_modules=tuple(watch_modules) if not isinstance(watch_modules, str) else (watch_modules,),
+        faults=check_faults(faults) or (info.faults if info is not None else ()),
     )
     from dstest.worlds import get_world
 
@@ -537,6 +547,7 @@ def run_spec(
         setup=TargetBinding(settings.target),  # on every rank, before the body
         async_hazards=(info.async_hazards or settings.async_hazards) and case.world in HAZARD_WORLDS,
         strict_shapes=info.strict_shapes or settings.strict_shapes,
+        faults=info.faults,
     )
     try:
         results = world.run(request)

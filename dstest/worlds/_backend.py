@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -27,6 +28,7 @@ from dstest.worlds import _collectives as C
 from dstest.worlds import torch_internals as _compat
 from dstest.worlds._session import Done, P2PWait, Waitable
 from dstest.worlds.core import c10d
+from dstest.worlds.core.faults import Delay, Fail
 
 __all__ = [
     "BACKEND_NAME",
@@ -320,6 +322,19 @@ class Group(dist.ProcessGroup):
     def _post(self, call: C.Call) -> Work:
         return Work(self.session.arrive(self, call))
 
+    def _post_with_faults(self, op: str, call: C.Call) -> Work:
+        """Post ``call`` in a run with injected faults: a Delay sleeps first, a Kill unwinds this rank, a
+        Fail fails the collective on every rank that joins it (see :mod:`dstest.worlds.core.faults`)."""
+        session = self.session
+        plan = session.faults[self.owner]
+        fault = plan.hit(op, self.label == "world", self.global_ranks) if plan is not None else None
+        if fault is None:
+            return self._post(call)
+        session.inject(self.owner, fault)  # raises for a Kill
+        if isinstance(fault, Delay):
+            time.sleep(fault.seconds)
+        return Work(session.arrive(self, call, fail=fault if isinstance(fault, Fail) else None))
+
     # -- collectives: every c10d method comes from the checking core's table (core.c10d.install) --------
     def _c10d(self, method: c10d.Method, args: dict[str, Any]) -> Work:
         """One c10d method (``method``, with its arguments by name), for the calling rank's group."""
@@ -338,7 +353,10 @@ class Group(dist.ProcessGroup):
             return Work(Done(g.session, g.owner, args["outputs"]))
         assert method.args is not None
         call_args = method.args(_TENSORS, args)
-        work = g._post(C.CALLS[method.op](g.rank_, g.size_, *call_args))
+        if g.session.faults is not None:  # a run with injected faults (contract G5): count, maybe fire
+            work = g._post_with_faults(method.op, C.CALLS[method.op](g.rank_, g.size_, *call_args))
+        else:
+            work = g._post(C.CALLS[method.op](g.rank_, g.size_, *call_args))
         if method.kind != "flat":
             return work
         work.wait()  # the flat buffer is a copy: its result goes back into the caller's tensors

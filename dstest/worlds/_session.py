@@ -8,7 +8,11 @@ future handed out by ``Work.get_future()``; both are seen by the deadlock check:
   pending call of each rank (a mismatch of groups or peers, a rank that skips a collective);
 - when a rank *finishes its function*, every collective and transfer that still needs it can never
   complete: it fails at once, so a rank blocked on it through a future (DDP's reducer, FSDP's hooks) is
-  woken with the error instead of hanging.
+  woken with the error instead of hanging;
+- a rank that an injected ``Kill`` ended (contract G5, :mod:`dstest.worlds.core.faults`) left the run the
+  same way, and the waits that need it fail with :class:`~dstest.worlds.injected.InjectedFault` (a backend
+  error, as gloo and NCCL raise when a peer is gone) instead of a mismatch; so do the sides of a
+  collective a ``Fail`` broke.
 
 What a rank leaves behind is checked when it finishes (:meth:`Session.rank_done`): work it posted that no
 rank matched or that it never waited, and errors dstest raised into its code that the code caught. Each
@@ -31,6 +35,7 @@ from __future__ import annotations
 import threading
 import traceback
 from _thread import allocate_lock
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -41,7 +46,9 @@ from dstest.worlds import _collectives as C
 from dstest.worlds import _hazards
 from dstest.worlds import torch_internals as _compat
 from dstest.worlds.core import c10d, matching
+from dstest.worlds.core.faults import Fault, Kill, RankFaults, failed_text, killed_phrase, plan_for
 from dstest.worlds.core.matching import FINISHED, Exchange
+from dstest.worlds.injected import InjectedFault, RankKilled
 
 __all__ = ["Done", "Session", "Waitable"]
 
@@ -199,13 +206,23 @@ class Session:
         self.recorder = _trace.Recorder(world_size, limit=_trace.RING_LIMIT)
         self.hazards = False  # the run request's options (see configure)
         self.strict_shapes = False
+        # Injected faults (contract G5): None, or each rank's counters (None for a rank no fault names);
+        # the faults that fired, and the ranks a Kill ended (they left the run as a crash would).
+        self.faults: list[RankFaults | None] | None = None
+        self.fired: list[Fault] = []
+        self.killed: dict[int, Fault] = {}
+        self.failed_exchanges: dict[tuple[Any, ...], Exchange] = {}  # broken by a Fail: later sides fail too
 
-    def configure(self, recorder: _trace.Recorder, *, hazards: bool, strict_shapes: bool) -> None:
+    def configure(
+        self, recorder: _trace.Recorder, *, hazards: bool, strict_shapes: bool, faults: Sequence[Fault] = ()
+    ) -> None:
         """The run's recorder and options, from its :class:`~dstest.worlds.request.RunRequest` (before any rank starts)."""
         with self.lock:
             self.recorder = recorder
             self.hazards = hazards
             self.strict_shapes = strict_shapes
+            self.faults = [plan_for(faults, r) for r in range(self.world_size)] if faults else None
+            self.fired, self.killed, self.failed_exchanges = [], {}, {}
 
     def reset(self) -> None:
         """Start a new run on a warm session (called while no rank is inside a run)."""
@@ -215,6 +232,7 @@ class Session:
             self.aborted = None
             self.abort_event.clear()
             self.ranks = [_RankState() for _ in range(self.world_size)]
+            self.faults, self.fired, self.killed, self.failed_exchanges = None, [], {}, {}
 
     def leftovers(self) -> bool:
         """Whether a run left a collective or a transfer half done (then the session cannot be reused)."""
@@ -251,8 +269,25 @@ class Session:
         if 0 <= wait.global_rank < self.world_size:
             self.ranks[wait.global_rank].open.pop(id(wait), None)
 
+    # -- injected faults (contract G5) ------------------------------------------------------------------
+    def inject(self, rank: int, fault: Fault) -> None:
+        """A fault fired before rank ``rank``'s call: a Kill unwinds the rank (:class:`RankKilled`); the
+        caller handles a Delay (sleep) and a Fail (:meth:`arrive` with ``fail``)."""
+        with self.lock:
+            self.fired.append(fault)
+            if isinstance(fault, Kill):
+                self.killed[rank] = fault
+        if isinstance(fault, Kill):
+            raise RankKilled(fault)
+
+    def fault_note(self) -> str:
+        """For a failure report: the run's injected faults, and which fired."""
+        if not self.fired and self.faults is None:
+            return ""
+        return "\ninjected faults that fired: " + ("; ".join(f.describe() for f in self.fired) or "none")
+
     # -- collectives ---------------------------------------------------------------------------------
-    def arrive(self, group: Any, call: C.Call) -> CollectiveWait:
+    def arrive(self, group: Any, call: C.Call, fail: Fault | None = None) -> CollectiveWait:
         call.check_local()
         call.strict_shapes = self.strict_shapes
         seq = group.next_seq()
@@ -265,9 +300,15 @@ class Session:
                 self._check_alive()
             ex = self.exchanges.get(key)
             if ex is None:
-                ex = self.exchanges[key] = Exchange(group.global_ranks, group.label, seq)
+                ex = self.failed_exchanges.get(key) if self.fired else None
+                if ex is None:
+                    ex = self.exchanges[key] = Exchange(group.global_ranks, group.label, seq)
             wait = CollectiveWait(self, ex.global_ranks[call.group_rank], call, ex)
             wait.record, wait.after = record, after
+            if fail is not None:  # a Fail fault: this collective fails on every rank that joins it
+                del self.exchanges[key]
+                self._fail_exchange(ex, InjectedFault(failed_text(fail, ex.where)))
+                self.failed_exchanges[key] = ex
             if ex.error is not None:
                 record.finished(ex.error)
                 raise self._raise(wait.global_rank, ex.error)
@@ -281,7 +322,8 @@ class Session:
             self.ranks[wait.global_rank].open[id(wait)] = wait
             if ex.missing:
                 if self.done:  # only a finished rank can doom it; most runs have none mid-collective
-                    gone = ex.left(self.done)
+                    gone = ex.left(self.killed) if self.killed else None  # a killed peer is the cause
+                    gone = ex.left(self.done) if gone is None else gone
                     if gone is not None:
                         self._doom_waits_needing(gone)
                 return wait
@@ -333,9 +375,8 @@ class Session:
         with self.lock:
             self._check_alive()
             if wait.peer in self.done:
-                err = CollectiveMismatch(
-                    matching.p2p_left_text(wait.global_rank, wait.describe(), kind, wait.peer, FINISHED)
-                )
+                cls, phrase = self._left_how(wait.peer)
+                err = cls(matching.p2p_left_text(wait.global_rank, wait.describe(), kind, wait.peer, phrase))
                 record.finished(err)
                 raise self._raise(wait.global_rank, err)
             self._open(wait)
@@ -404,9 +445,11 @@ class Session:
             state = self.ranks[rank]
             left = list(state.open.values())
             state.open.clear()
-            raised = list(state.raised)
+            raised = [e for e in state.raised if not isinstance(e, InjectedFault)]  # expected: a fault's
             self._doom_waits_needing(rank)
             self._detect_deadlock()
+            if rank in self.killed:
+                return None  # it died: what it left behind is its peers' problem, as on a real backend
         problem: BaseException | None = None
         unmatched = [w for w in left if not w.done]
         unwaited = [w for w in left if w.done]  # their outputs hold the result, as gloo's would
@@ -430,14 +473,25 @@ class Session:
             )
         return problem
 
+    def _left_how(self, rank: int) -> tuple[type[BaseException], str]:
+        """The error class and phrase for waits on ``rank``, which left: it finished, or a Kill ended it."""
+        fault = self.killed.get(rank) if self.killed else None
+        return (CollectiveMismatch, FINISHED) if fault is None else (InjectedFault, killed_phrase(fault))
+
     def _doom_waits_needing(self, rank: int) -> None:
-        """Under the lock: fail every collective and transfer that still needs ``rank`` (it finished)."""
+        """Under the lock: fail every collective and transfer that still needs ``rank`` (it finished); for a
+        rank a Kill ended, also those it had joined (as the process world's referee does: a dead process's
+        side of a collective never runs)."""
+        cls, phrase = self._left_how(rank)
+        killed = cls is InjectedFault
         for key, ex in list(self.exchanges.items()):
-            if rank in ex.global_ranks and ex.calls[ex.global_ranks.index(rank)] is None:
+            if rank in ex.global_ranks and (killed or ex.calls[ex.global_ranks.index(rank)] is None):
                 del self.exchanges[key]
-                self._fail_exchange(ex, CollectiveMismatch(ex.left_text(rank, FINISHED)))
+                self._fail_exchange(ex, cls(ex.left_text(rank, phrase)))
+                if killed:  # its later sides get the same error (see arrive)
+                    self.failed_exchanges[key] = ex
         for w in self.p2p.drop(lambda w: w.peer == rank):
-            w.complete(CollectiveMismatch(matching.p2p_left_text(w.global_rank, w.describe(), w.kind, rank, FINISHED)))
+            w.complete(cls(matching.p2p_left_text(w.global_rank, w.describe(), w.kind, rank, phrase)))
 
     def _detect_deadlock(self) -> None:
         """Called under the lock: fail every wait when no running rank is left to complete any of them."""

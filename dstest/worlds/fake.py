@@ -32,6 +32,8 @@ __all__ = ["FakeWorld"]
 class _FakeSession:
     """Stands in for the threaded world's session: every call completes at once, after local checks."""
 
+    faults = None  # the fake world injects no faults
+
     def __init__(self, world_size: int, recorder: _trace.Recorder | None = None) -> None:
         self.world_size = world_size
         self.lock = threading.Lock()
@@ -86,6 +88,7 @@ class FakeWorld:
         return None
 
     def run(self, request: RunRequest) -> list[Any]:
+        request.refuse_faults("fake")
         world_size = request.world_size
         ranks = self.ranks if self.ranks is not None else tuple(sorted({0, world_size - 1}))
         bad = [r for r in ranks if not 0 <= r < world_size]

@@ -296,6 +296,7 @@ class LaunchedWorld:
         return None
 
     def run(self, request: RunRequest) -> list[Any]:
+        request.refuse_faults("launched")
         world_size, timeout = request.world_size, request.timeout
         launch = connect()
         if world_size > launch.world_size:

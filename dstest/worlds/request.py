@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from dstest.errors import InvalidArgument
+from dstest.worlds.core.faults import check_faults
 from dstest.worlds.protocol import check_rank_function, check_seed, check_timeout, check_world_size
 
 __all__ = ["DEFAULT_SEED", "DEFAULT_TIMEOUT", "RunRequest"]
@@ -55,7 +56,8 @@ class RunRequest:
     fresh one. ``watch_modules`` (module names or prefixes, e.g. ``("deepspeed",)``): in the process world,
     what a run changes in their module-level state is put back after it and reported as
     :class:`~dstest.errors.StateLeftBehind` (:mod:`dstest.worlds.process.state_watch`); in-process worlds
-    share their modules between ranks and ignore it. Made once, checked once: a bad value raises
+    share their modules between ranks and ignore it. ``faults``: :mod:`dstest.faults` to inject (``Kill``,
+    ``Fail``, ``Delay``; threaded and process worlds; contract G5). Made once, checked once: a bad value raises
     :class:`~dstest.errors.InvalidArgument` naming it.
     """
 
@@ -70,6 +72,7 @@ class RunRequest:
     strict_shapes: bool = False
     recorder: Any = None
     watch_modules: tuple[str, ...] = ()
+    faults: Sequence[Any] = ()
 
     def __post_init__(self) -> None:
         check_rank_function(self.fn)
@@ -93,6 +96,7 @@ class RunRequest:
         put(self, "watch_modules", _module_prefixes(self.watch_modules))
         if self.recorder is not None and not hasattr(self.recorder, "view"):
             raise InvalidArgument(f"recorder={self.recorder!r}: must be a dstest.trace Recorder, or None")
+        put(self, "faults", check_faults(self.faults, self.world_size))
 
     def call_kwargs(self) -> dict[str, Any]:
         """The keyword arguments as a fresh dict (each rank gets its own)."""
@@ -107,6 +111,14 @@ class RunRequest:
     def replace(self, **changes: Any) -> RunRequest:
         """This request with some fields changed (checked again)."""
         return dataclasses.replace(self, **changes)
+
+    def refuse_faults(self, world: str) -> None:
+        """Raise InvalidArgument when this request injects faults into a world that cannot (contract G5)."""
+        if self.faults:
+            raise InvalidArgument(
+                f"faults={list(self.faults)!r}: the {world} world cannot inject faults; faults run on "
+                "world='threaded' and world='process' (gloo)"
+            )
 
     @property
     def name(self) -> str:

@@ -42,6 +42,8 @@ from dstest.worlds import torch_internals as _compat
 from dstest.worlds._backend import BACKEND_NAME, binding, rank_process_group, register_backend, translate_group
 from dstest.worlds._failures import Outcome, interrupt, reap, stacks_of, stuck_threads, timeout_error
 from dstest.worlds._session import Session
+from dstest.worlds.core.faults import Killed
+from dstest.worlds.injected import RankKilled
 from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded_session import ThreadedSession
 
@@ -119,6 +121,8 @@ def _call_rank(
     try:
         outcome.results[rank] = request.rank_call(ctx)
         returned = True
+    except RankKilled as killed:  # an injected Kill (contract G5): the rank died, the run goes on
+        outcome.results[rank] = Killed(rank, killed.args[0].at())
     except BaseException as exc:  # every rank's outcome is reported, so catch all
         consequence = _is_consequence(session, exc)
         outcome.fail(rank, exc, consequence=consequence)
@@ -299,7 +303,9 @@ class _WarmCrew:
     def run(self, request: RunRequest, recorder: _trace.Recorder, make_ctx: Callable[[int], RankContext]) -> list[Any]:
         session = self.session
         session.reset()
-        session.configure(recorder, hazards=request.async_hazards, strict_shapes=request.strict_shapes)
+        session.configure(
+            recorder, hazards=request.async_hazards, strict_shapes=request.strict_shapes, faults=request.faults
+        )
         timeout = request.timeout
         _compat.thread_local_c10d_world_ensure()
         outcome = Outcome(self.world_size)
@@ -322,7 +328,7 @@ class _WarmCrew:
         if outcome.failures or notes or session.leftovers() or self.broken:
             self.close(grace=0.5)
         if outcome.failures:
-            notes += session.rng_note() + session.shared_globals.note()
+            notes += session.rng_note() + session.shared_globals.note() + session.fault_note()
         outcome.raise_failures(notes)
         return outcome.results
 
@@ -482,7 +488,9 @@ class ThreadedWorld:
     ) -> list[Any]:
         world_size, timeout = request.world_size, request.timeout
         session = ThreadedSession(world_size)
-        session.configure(recorder, hazards=request.async_hazards, strict_shapes=request.strict_shapes)
+        session.configure(
+            recorder, hazards=request.async_hazards, strict_shapes=request.strict_shapes, faults=request.faults
+        )
         outcome = Outcome(world_size)
         phase = _Countdown(world_size)
         paused = _CollectorPaused(world_size)
@@ -516,6 +524,6 @@ class ThreadedWorld:
             if left and not notes:
                 notes = f"\nthreads that could not be stopped (stuck in C code; never reused): {left}"
         if outcome.failures and isinstance(session, ThreadedSession):
-            notes += session.rng_note() + session.shared_globals.note()
+            notes += session.rng_note() + session.shared_globals.note() + session.fault_note()
         outcome.raise_failures(notes)
         return outcome.results

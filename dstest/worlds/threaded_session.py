@@ -162,9 +162,9 @@ class ThreadedSession(Session):
 
     # A rank gives the RNG up as it enters any collective, transfer or wait: every rank has then drawn
     # what it drew between its seed and this point, in one piece.
-    def arrive(self, group: Any, call: Any) -> Any:
+    def arrive(self, group: Any, call: Any, fail: Any = None) -> Any:
         self.release_rng(group.owner)
-        return super().arrive(group, call)
+        return super().arrive(group, call, fail)
 
     def post_p2p(self, group: Any, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> Any:
         self.release_rng(group.owner)

@@ -7,6 +7,7 @@ is first needed, in a worker (the parent never does).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from dstest.errors import InvalidArgument
 from dstest.worlds import _collectives as C
 from dstest.worlds import torch_internals as _compat
 from dstest.worlds.core import c10d, matching
+from dstest.worlds.core.faults import Delay, Fail, Fault, Kill, failed_text
 from dstest.worlds.process.checker import _check_error, _Checker, _Record
 from dstest.worlds.process.messages import _Dev, _Meta
 
@@ -258,16 +260,32 @@ class CheckedGroup(dist.ProcessGroup):
         self.seq += 1
         return self.seq
 
-    def _post(self, call: Any, issue: Callable[[], Any]) -> Any:
+    def _post(self, call: Any, issue: Callable[[], Any], op: str = "") -> Any:
         checker = self.checker
         if not checker.active:
             return issue()
         call.check_local()
+        fail = self._fault(op) if checker.faults is not None else None
         seq = self._next_seq()
-        what = f"{call.describe()} on {matching.collective_where(self.label, seq)}"
+        where = matching.collective_where(self.label, seq)
+        what = f"{call.describe()} on {where}"
         record = checker.recorder.collective(self, call, seq, self.members[self.rank_])
-        rec = checker.post(("post", self.gid, self.members, seq, call), what, issue, record)
+        msg: tuple[Any, ...] = ("post", self.gid, self.members, seq, call)
+        if fail is not None:  # a Fail fault: the referee fails this collective on every rank that joins it
+            msg = (*msg, failed_text(fail, where))
+        rec = checker.post(msg, what, issue, record)
         return CheckedWork(checker, rec)
+
+    def _fault(self, op: str) -> Fault | None:
+        """Count this call for the run's injected faults (contract G5): a Kill kills this process, a Delay
+        sleeps; returns a Fail that fires here, for the caller to post."""
+        plan = self.checker.faults
+        fault = plan.hit(op, self.label == "world", self.members) if plan is not None else None
+        if isinstance(fault, Kill):
+            self.checker.kill(fault)
+        if isinstance(fault, Delay):
+            time.sleep(fault.seconds)
+        return fault if isinstance(fault, Fail) else None
 
     def _p2p(self, kind: str, t: Any, peer: int, tag: int, issue: Callable[[], Any]) -> Any:
         checker = self.checker
@@ -298,7 +316,7 @@ class CheckedGroup(dist.ProcessGroup):
                 work.wait()
             return DoneWork(args["outputs"])
         assert method.args is not None
-        return self._post(C.CALLS[method.op](self.rank_, self.size_, *method.args(_METAS, args)), issue)
+        return self._post(C.CALLS[method.op](self.rank_, self.size_, *method.args(_METAS, args)), issue, method.op)
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         self.barrier().wait()

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import pickle
+import signal
+import sys
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -20,6 +23,11 @@ from dstest.errors import (
     UnfinishedWork,
     WorldAborted,
 )
+from dstest.worlds.core.faults import Fault, RankFaults, plan_for
+from dstest.worlds.injected import InjectedFault
+
+#: Verdict kinds of injected faults (contract G5): a peer was killed, or a Fail broke the collective.
+_INJECTED = ("killed", "injected")
 
 # Cross-rank checking, worker side
 # ------------------------------------------------------------------------------------------------------
@@ -71,6 +79,8 @@ class _Record:
 def _check_error(kind: str, message: str) -> BaseException:
     if kind == "aborted":
         return WorldAborted(message)
+    if kind in _INJECTED:
+        return InjectedFault(message)
     return CollectiveMismatch(message)
 
 
@@ -90,6 +100,7 @@ class _Checker:
         self.next_id = 0
         self.acked = threading.Event()
         self.recorder = _trace.Recorder(world_size, "process")
+        self.faults: RankFaults | None = None  # this rank's injected faults in this run (contract G5)
         self.listener = threading.Thread(target=self._listen, name="dstest-check-listener", daemon=True)
         self.listener.start()
 
@@ -103,8 +114,9 @@ class _Checker:
             self.conn.send_bytes(blob)
 
     # -- runs -------------------------------------------------------------------------------------------
-    def begin(self, run_id: int) -> None:
+    def begin(self, run_id: int, faults: tuple[Fault, ...] = ()) -> None:
         with self.lock:
+            self.faults = plan_for(faults, self.rank) if faults else None
             self.run_id = run_id
             self.records.clear()
             self.posted = []
@@ -112,6 +124,17 @@ class _Checker:
             self.next_id = 0
             self.acked.clear()
             self.recorder = _trace.Recorder(self.world_size, "process")
+
+    def kill(self, fault: Fault) -> None:
+        """An injected Kill: tell the referee (so the peers' calls that need this rank fail at once), then
+        die as a killed process does: SIGKILL, no cleanup, no reply."""
+        with contextlib.suppress(EOFError, OSError):
+            self._send(("killed", self.run_id, fault))
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
+        os._exit(137)  # not reached where SIGKILL exists
 
     def end(self, failure: BaseException | None) -> tuple[BaseException | None, str | None]:
         """Close this rank's run with the referee; returns (the error the run must fail with, why the
@@ -189,7 +212,7 @@ class _Checker:
                 self._send(("wait", self.run_id, rec.post_id))
             rec.event.wait()
         if rec.error is not None:
-            if rec.error[0] != "aborted":
+            if rec.error[0] != "aborted" and rec.error[0] not in _INJECTED:  # a fault's error is expected
                 with self.lock:
                     self.raised.append(rec.error[1].splitlines()[0])
             raise _check_error(*rec.error)

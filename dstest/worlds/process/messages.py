@@ -38,6 +38,7 @@ class _Command(NamedTuple):
     setup: Any  # a picklable setup(ctx) to run on each rank before the function (RunRequest.setup), or None
     resets: tuple[str, ...] = ()  # dstest.resets references to call before the run, in order
     watch: tuple[str, ...] = ()  # module prefixes whose module-level state is put back after the run
+    faults: tuple[Any, ...] = ()  # the run's injected faults (RunRequest.faults, contract G5)
 
 
 class _Reply(NamedTuple):

@@ -30,6 +30,7 @@ from dstest.errors import (
 )
 from dstest.resets import registered as registered_resets
 from dstest.worlds._failures import format_stacks
+from dstest.worlds.core.faults import Killed
 from dstest.worlds.process.launch import _free_port, _mp_context, _threads_per_rank
 from dstest.worlds.process.messages import _STOP, _Command, _FnRef, _PoolKey, _Reply, _unpickle_exception, _WorkerConfig
 from dstest.worlds.process.referee import _Referee
@@ -277,6 +278,7 @@ class _Pool:
             request.setup,
             registered_resets(),
             request.watch_modules,
+            tuple(request.faults),
         )
         try:
             blob = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
@@ -287,8 +289,9 @@ class _Pool:
             ) from exc
         W = self.key.world_size
         log_starts = {w.rank: _file_size(w.cfg.log_path) for w in self.workers}
+        killed: dict[int, Any] = {}  # ranks an injected Kill ended -> the fault (contract G5)
         try:
-            replies, dead, first_failure = self._exchange(run_id, blob, request.timeout, request.strict_shapes)
+            replies, dead, first_failure = self._exchange(run_id, blob, request.timeout, request.strict_shapes, killed)
         except BaseException:
             self.kill()  # interrupted (Ctrl-C) mid-run: only a fresh pool is in a known state
             raise
@@ -296,15 +299,19 @@ class _Pool:
             _forward_output(r, replies[r].output)
         _take_traces(replies, recorder)
         _warn_state_left_behind(ref, replies)
-        if dead or len(replies) < W:
+        if dead or len(replies) + len(killed) < W:
             self._raise_incomplete(ref, request.timeout, replies, dead, first_failure, log_starts, recorder)
         unhealthy = {r: rep.unhealthy for r, rep in replies.items() if rep.unhealthy}
-        if unhealthy:
+        if unhealthy or killed:
             self.stop()  # the caller starts a fresh pool for the next run
         if any(not rep.ok for rep in replies.values()):
-            raise _rank_failure(self._label(), W, replies, {}, pool_replaced=bool(unhealthy))
-        results = []
+            note = _fault_note(request.faults, killed)
+            raise _rank_failure(self._label(), W, replies, {}, pool_replaced=bool(unhealthy or killed), note=note)
+        results: list[Any] = []
         for r in range(W):
+            if r in killed:
+                results.append(Killed(r, killed[r].at()))
+                continue
             try:
                 results.append(pickle.loads(replies[r].result or b""))
             except Exception as exc:
@@ -371,10 +378,11 @@ class _Pool:
             raise _rank_failure(label, W, replies, aborted, pool_replaced=True)
 
     def _exchange(
-        self, run_id: int, blob: bytes, timeout: float, strict_shapes: bool
+        self, run_id: int, blob: bytes, timeout: float, strict_shapes: bool, killed: dict[int, Any]
     ) -> tuple[dict[int, _Reply], list[_Worker], float | None]:
         """Send the run to every worker and gather replies until all came, one died, the run timed out, or
-        the others had FAILURE_GRACE seconds after a failure."""
+        the others had FAILURE_GRACE seconds after a failure. A worker that an injected Kill ended (it told
+        the referee first) goes into ``killed``, not ``dead``: the run goes on without it."""
         deadline = time.monotonic() + timeout
         replies: dict[int, _Reply] = {}
         dead: list[_Worker] = []
@@ -402,7 +410,7 @@ class _Pool:
                 if w not in dead:
                     sel.register(w.conn, selectors.EVENT_READ, ("reply", w))
                     sel.register(w.process.sentinel, selectors.EVENT_READ, ("exit", w))
-            while len(replies) < len(self.workers) and not dead:
+            while len(replies) + len(killed) < len(self.workers) and not dead:
                 limit = deadline if first_failure is None else min(deadline, first_failure + FAILURE_GRACE)
                 remaining = limit - time.monotonic()
                 if remaining <= 0:
@@ -426,8 +434,15 @@ class _Pool:
                     if not reply.ok and first_failure is None:
                         first_failure = time.monotonic()
                 for kind, w in ready:
-                    if kind == "exit" and w.rank not in replies and w not in dead:
-                        dead.append(w)
+                    if kind == "exit" and w.rank not in replies and w not in dead and w.rank not in killed:
+                        if referee is not None:
+                            self._referee_messages(referee, w)  # its last words: an injected Kill?
+                        if referee is not None and w.rank in referee.killed:
+                            killed[w.rank] = referee.killed[w.rank]
+                            sel.unregister(w.conn)
+                            sel.unregister(w.process.sentinel)
+                        else:
+                            dead.append(w)
         return replies, dead, first_failure
 
     @staticmethod
@@ -483,7 +498,13 @@ class _Pool:
 
 
 def _rank_failure(
-    label: str, world_size: int, replies: dict[int, _Reply], aborted: dict[int, str], *, pool_replaced: bool
+    label: str,
+    world_size: int,
+    replies: dict[int, _Reply],
+    aborted: dict[int, str],
+    *,
+    pool_replaced: bool,
+    note: str = "",
 ) -> RankFailure:
     failed = {r: rep for r, rep in replies.items() if not rep.ok}
     exceptions: dict[int, BaseException] = {}
@@ -498,6 +519,7 @@ def _rank_failure(
     tail = "".join(f"\n---- rank {r} (stopped) ----\n{text}" for r, text in sorted(aborted.items()))
     if pool_replaced:
         tail += "\nthe worker pool was replaced"
+    tail += note
     tracebacks = {r: rep.traceback for r, rep in failed.items()} | aborted
     return RankFailure(
         f"{len(failed)} of {world_size} ranks failed in the {label}: {head}\n{body}{tail}",
@@ -519,6 +541,14 @@ def _warn_state_left_behind(ref: _FnRef, replies: dict[int, _Reply]) -> None:
             ),
             stacklevel=2,
         )
+
+
+def _fault_note(faults: Any, killed: dict[int, Any]) -> str:
+    """For a failure report: the run's injected faults (contract G5), and the ranks a Kill ended."""
+    if not faults:
+        return ""
+    dead = f" (ranks {sorted(killed)} were killed)" if killed else ""
+    return "\ninjected faults of the run: " + "; ".join(f.describe() for f in faults) + dead
 
 
 def _take_traces(replies: dict[int, _Reply], recorder: _trace.Recorder) -> None:

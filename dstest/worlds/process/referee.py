@@ -3,7 +3,9 @@
 The rules (matching by group and sequence number, ranks that left the run, deadlocks, the texts) are the
 checking core's (:mod:`dstest.worlds.core.matching`), which the threaded world's session drives too; the
 referee is their transport for processes: it reads the ranks' posts from pipes and answers each with a
-verdict ("ok", or the error) that the rank's checked group waits for.
+verdict ("ok", or the error) that the rank's checked group waits for. A worker that an injected ``Kill``
+ends (contract G5) says so ("killed") just before it kills itself, so the referee fails its peers' calls
+at once with a backend error that names it, as it does for a rank that finished.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
 from dstest.worlds.core import matching
+from dstest.worlds.core.faults import Fault, killed_phrase
 from dstest.worlds.core.matching import FINISHED, Exchange
 
 
@@ -45,6 +48,7 @@ class _Referee:
         self.blocked: dict[int, int] = {}  # rank -> post id it waits for
         self.done: dict[int, str] = {}  # rank -> "finished its function" | "failed (...)"
         self.failed: set[int] = set()
+        self.killed: dict[int, Fault] = {}  # ranks an injected Kill ended (contract G5)
 
     # -- messages ---------------------------------------------------------------------------------------
     def handle(self, rank: int, blob: bytes) -> None:
@@ -53,7 +57,7 @@ class _Referee:
             return
         kind = msg[0]
         if kind == "post":
-            self._post(rank, msg[2], msg[3], msg[4], msg[5], msg[6])
+            self._post(rank, msg[2], msg[3], msg[4], msg[5], msg[6], msg[7] if len(msg) > 7 else None)
         elif kind == "p2p":
             self._p2p(rank, *msg[2:])
         elif kind == "wait":
@@ -62,6 +66,9 @@ class _Referee:
                 self._detect_deadlock()
         elif kind == "done":
             self._done(rank, bool(msg[2]), str(msg[3]))
+        elif kind == "killed":  # an injected Kill: the worker kills itself right after this message
+            self.killed[rank] = msg[2]
+            self._done(rank, False, "")
 
     def _send(self, rank: int, msg: tuple[Any, ...]) -> None:
         with contextlib.suppress(EOFError, OSError):
@@ -87,11 +94,15 @@ class _Referee:
                 self._fail(r, post_id, kind, message)
 
     def _gone(self, rank: int) -> tuple[str, str]:
-        """(kind, phrase) for a rank that left the run: it finished normally or it failed."""
+        """(kind, phrase) for a rank that left the run: it finished normally, it failed, or a Kill ended it."""
+        if rank in self.killed:
+            return ("killed", killed_phrase(self.killed[rank]))
         return ("aborted" if rank in self.failed else "mismatch", self.done[rank])
 
     # -- collectives ----------------------------------------------------------------------------------------
-    def _post(self, rank: int, post_id: int, gid: str, members: tuple[int, ...], seq: int, call: Any) -> None:
+    def _post(
+        self, rank: int, post_id: int, gid: str, members: tuple[int, ...], seq: int, call: Any, fail: str | None
+    ) -> None:
         key = (gid, seq)
         ex = self.exchanges.get(key)
         if ex is None:
@@ -99,6 +110,9 @@ class _Referee:
         call.strict_shapes = self.strict_shapes
         self.pending[(rank, post_id)] = (f"{call.describe()} on {ex.where}", key, None, "")
         ex.sides.append((rank, post_id))
+        if fail is not None and ex.error is None:  # an injected Fail: every rank that joins it gets the error
+            self._fail_exchange(ex, "injected", fail)
+            return
         if ex.error is not None:
             self._fail(rank, post_id, *ex.error)
             return
@@ -109,7 +123,8 @@ class _Referee:
         if why is not None:
             self._fail_exchange(ex, "mismatch", why)
             return
-        gone = ex.left(self.done)
+        gone = ex.left(self.killed) if self.killed else None  # a killed peer is the cause, if any
+        gone = ex.left(self.done) if gone is None else gone
         if gone is not None:
             kind, phrase = self._gone(gone)
             self._fail_exchange(ex, kind, ex.left_text(gone, phrase))
@@ -163,6 +178,8 @@ class _Referee:
     # -- ranks leaving, deadlocks ---------------------------------------------------------------------------
     def _done(self, rank: int, ok: bool, summary: str) -> None:
         self.done[rank] = FINISHED if ok else f"failed ({summary})"
+        if rank in self.killed:
+            self.done[rank] = killed_phrase(self.killed[rank])
         if not ok:
             self.failed.add(rank)
         self.blocked.pop(rank, None)

@@ -234,7 +234,7 @@ class _Server:
             cmd: _Command = pickle.loads(blob)
             run_id = cmd.run_id
             if self.checker is not None:
-                self.checker.begin(run_id)  # before anything can fail: the referee hears of every end
+                self.checker.begin(run_id, cmd.faults)  # before anything can fail: the referee hears of every end
                 checking = True
             fn = self._resolve(cmd.ref)
             self._begin_run(run_id)

@@ -181,6 +181,8 @@ class ProcessWorld:
     def run(self, request: RunRequest) -> list[Any]:
         __tracebackhide__ = True
         _check_not_bootstrapping("run")
+        if self.backend != "gloo":
+            request.refuse_faults(f"{self.name} ({self.backend})")
         # The function travels by reference; the request's setup (the spec layer's binding of the system
         # under test) by pickle, and the worker runs it before the function.
         ref = _reference(request.fn)
