@@ -488,3 +488,6 @@ def test_unwatched_state_reaches_the_next_run_of_a_warm_worker():
 def test_watch_modules_is_checked_when_the_request_is_made():
     with pytest.raises(InvalidArgument, match=r"watch_modules=\['deep speed'\]: give module names or prefixes"):
         RunRequest(_read_state, 2, watch_modules=["deep speed"])
+    for world in ("threaded", "fake"):  # rank threads share one process's modules: nothing to compare with
+        with pytest.raises(InvalidArgument, match=rf"watch_modules=\('mypkg',\): the {world} world does not watch"):
+            dstest.get_world(world).run(RunRequest(_read_state, 2, watch_modules=("mypkg",)))

@@ -89,6 +89,7 @@ class FakeWorld:
 
     def run(self, request: RunRequest) -> list[Any]:
         request.refuse_faults("fake")
+        request.refuse_watch("fake")
         world_size = request.world_size
         ranks = self.ranks if self.ranks is not None else tuple(sorted({0, world_size - 1}))
         bad = [r for r in ranks if not 0 <= r < world_size]

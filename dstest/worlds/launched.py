@@ -297,6 +297,7 @@ class LaunchedWorld:
 
     def run(self, request: RunRequest) -> list[Any]:
         request.refuse_faults("launched")
+        request.refuse_watch("launched")
         world_size, timeout = request.world_size, request.timeout
         launch = connect()
         if world_size > launch.world_size:

@@ -455,6 +455,7 @@ class ThreadedWorld:
         return None
 
     def run(self, request: RunRequest) -> list[Any]:
+        request.refuse_watch(self.name)
         with _trace.world_run(self.name, request.world_size, request.recorder) as recorder:
             return self._run(request, recorder)
 
