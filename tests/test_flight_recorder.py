@@ -19,6 +19,7 @@ import dstest
 from dstest.errors import RankFailure, WorldTimeout
 from dstest.trace import FR_PREFIX, write_flight_recorder
 from dstest.trace.flight_recorder import analyzer_command, rank_dump, scalar_type
+from dstest.worlds.torch_internals import gloo_has_list_all_to_all
 
 pytestmark = pytest.mark.cpu
 
@@ -160,7 +161,10 @@ def _every_op(ctx: Any) -> None:
     dist.reduce_scatter(torch.empty(2), [torch.ones(2) for _ in range(w)])
     dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * w))
     dist.all_to_all_single(torch.empty(2 * w), torch.ones(2 * w))
-    dist.all_to_all([torch.empty(2) for _ in range(w)], [torch.ones(2) for _ in range(w)])
+    if ctx.world == "process" and not gloo_has_list_all_to_all():  # torch 2.11's gloo: single only
+        dist.all_to_all_single(torch.empty(2 * w), torch.ones(2 * w))
+    else:
+        dist.all_to_all([torch.empty(2) for _ in range(w)], [torch.ones(2) for _ in range(w)])
     dist.gather(t, [torch.empty(3) for _ in range(w)] if r == 0 else None, dst=0)
     dist.scatter(torch.empty(3), [torch.ones(3) for _ in range(w)] if r == 0 else None, src=0)
     sub = dist.new_group([0, 2])
@@ -171,7 +175,7 @@ def _every_op(ctx: Any) -> None:
 
 _PROFILING = [
     "all_reduce", "broadcast", "reduce", "all_gather", "_all_gather_base", "reduce_scatter", "_reduce_scatter_base",
-    "all_to_all", "all_to_all", "gather", "scatter", "all_reduce", "barrier",
+    "all_to_all", "all_to_all", "gather", "scatter", "all_reduce", "all_reduce_barrier",
 ]  # fmt: skip
 
 
@@ -217,7 +221,7 @@ def test_entries_hold_the_records(tmp_path: Any) -> None:
     gathered = by_name["nccl:all_gather"]
     assert gathered["input_sizes"] == [[3]] and gathered["output_sizes"] == [[3, 3]]
     assert gathered["input_dtypes"] == ["Float"] and by_name["nccl:_all_gather_base"]["output_sizes"] == [[9]]
-    assert by_name["nccl:barrier"]["input_sizes"] == [] and by_name["nccl:barrier"]["input_dtypes"] == []
+    assert by_name["nccl:all_reduce_barrier"]["input_sizes"] == [] and by_name["nccl:all_reduce_barrier"]["input_dtypes"] == []
     sub = [e for e in dump["entries"] if e["process_group"] != ("0", "default_pg")]
     assert len(sub) == 1 and sub[0]["input_dtypes"] == ["Long"] and sub[0]["process_group"][1] == "undefined"
     with open(tmp_path / f"{FR_PREFIX}2", "rb") as f:

@@ -98,9 +98,10 @@ def pytest_configure(config: pytest.Config) -> None:
     import importlib.util
 
     if importlib.util.find_spec("deepspeed") is not None:
-        from dstest.worlds.process.byref import preload_in_fork_server
+        from dstest.worlds.process.byref import preload_in_fork_server, start_fork_server
 
         preload_in_fork_server("dstest.compat._deepspeed_preload")
+        start_fork_server()  # imports torch and DeepSpeed in its own process while pytest collects
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

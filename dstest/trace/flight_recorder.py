@@ -79,6 +79,9 @@ _PROFILING_NAMES = {
     "all_gather_into_tensor": "_all_gather_base",
     "reduce_scatter_tensor": "_reduce_scatter_base",
     "all_to_all_single": "all_to_all",
+    # ProcessGroupNCCL's barrier is an all_reduce of one element, recorded under this name; torch 2.11's
+    # analyzer knows only it (2.13's also accepts "barrier").
+    "barrier": "all_reduce_barrier",
 }
 
 # torch dtype names (as records keep them) -> c10::ScalarType names (as the recorder writes them).

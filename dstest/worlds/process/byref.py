@@ -9,7 +9,8 @@ name), so the plugin's own rank function must live at module level; what that fu
   pytest rewrote its assertions), and :func:`import_module_ref` imports it on the rank.
 - :func:`free_port` is a port for a rendezvous of the plugin's own (a ``MASTER_PORT`` the harness gives
   its ranks); :func:`pool_pids` says which workers a world size has now, to notice a replaced pool.
-- :func:`preload_in_fork_server` has every worker start with the suite's heavy imports done once;
+- :func:`preload_in_fork_server` has every worker start with the suite's heavy imports done once, and
+  :func:`start_fork_server` starts that server at once, so its imports overlap the plugin's collection;
   :func:`replace_after_this_run`, called on a rank, gives the next run fresh processes.
 - a run itself is a :class:`~dstest.worlds.request.RunRequest` given to ``ProcessWorld().run``; its
   ``strict_shapes=True`` makes a shape-only difference between ranks a mismatch too.
@@ -23,7 +24,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-from dstest.worlds.process.launch import _free_port, preload_in_fork_server
+from dstest.worlds.process.launch import _free_port, preload_in_fork_server, start_fork_server
 from dstest.worlds.process.messages import _FnRef
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "pool_pids",
     "preload_in_fork_server",
     "replace_after_this_run",
+    "start_fork_server",
 ]
 
 #: How a worker finds a module (or a function in it): ``(module, qualname, path, rewrite_asserts)``, a

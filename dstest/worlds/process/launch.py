@@ -72,6 +72,19 @@ def _mp_context() -> Any:
     return _CONTEXT
 
 
+def start_fork_server() -> bool:
+    """Start the fork server now, without waiting for it: it imports torch and the preloaded modules in its
+    own process while this one goes on (a pytest session collecting its tests), so the first pool forks
+    from a server that is ready. Returns whether a fork server is used here."""
+    ctx = _mp_context()
+    if ctx.get_start_method() != "forkserver":
+        return False
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+    return True
+
+
 def _stop_fork_server() -> None:
     """Stop the fork server the pools used, so that it is not orphaned when this process exits.
 
