@@ -370,7 +370,11 @@ class _Run:
             if time.monotonic() >= deadline:
                 stopped = "timeout"
                 break
-        if not stopped:
+        if not stopped and self.error is not None and launch.has(failed_key):
+            # The body ended with an error after a peer had failed: the peer posts its failure before it
+            # tears its group down, which is what failed this rank's pending call (gloo). A consequence.
+            outcome = _failure(rank, self.error, "aborted", note=f"rank {rank} stopped because another rank failed\n")
+        elif not stopped:
             if self.error is not None:
                 launch.post(failed_key, str(rank).encode())
             outcome = self._finished()
