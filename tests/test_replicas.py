@@ -14,12 +14,12 @@ the ``ReplicasDiverge`` they caught, or None; each test asserts the ranks all re
 from __future__ import annotations
 
 import inspect
-import itertools
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _models import mlp
 
 import dstest
 from dstest.errors import InvalidArgument, ReplicasDiverge
@@ -27,20 +27,6 @@ from dstest.errors import InvalidArgument, ReplicasDiverge
 pytestmark = pytest.mark.cpu
 
 WORLDS = ["threaded", "process"]
-
-
-def _mlp(seed: int, dims: tuple[int, ...] = (5, 7, 3)) -> nn.Sequential:
-    g = torch.Generator().manual_seed(seed)
-    layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(itertools.pairwise(dims)):
-        lin = nn.Linear(a, b)
-        with torch.no_grad():
-            lin.weight.copy_(torch.randn(b, a, generator=g) / a**0.5)
-            lin.bias.copy_(torch.randn(b, generator=g) * 0.1)
-        layers.append(lin)
-        if i < len(dims) - 2:
-            layers.append(nn.Tanh())
-    return nn.Sequential(*layers)
 
 
 def _local_batch(ctx, din: int = 5, dout: int = 3, rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +53,7 @@ def ddp_ignored_parameter(ctx, fixed: bool, steps: int) -> str | None:
     '0.bias', which nothing else reduces: its gradient stays local and the step leaves each rank its own."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = _mlp(0)
+    model = mlp(0)
     if not fixed:
         DDP._set_params_and_buffers_to_ignore_for_model(model, ["0.bias"])
     ddp = DDP(model)
@@ -137,7 +123,7 @@ def test_b_batchnorm_buffers_not_broadcast(world, world_size):
 def noisy_update(ctx, fixed: bool, steps: int) -> str | None:
     """Gradient noise added after the all-reduce, drawn from the rank's own generator (``ctx.generator`` is
     seeded per rank): every rank's step differs. The fix draws from a generator seeded the same everywhere."""
-    model = _mlp(1)
+    model = mlp(1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     shared = torch.Generator().manual_seed(1234)
     for _ in range(steps):
@@ -168,7 +154,7 @@ def zero_shard_twice(ctx, fixed: bool, steps: int) -> str | None:
     of the fp32 master copy and all-gathers it. The planted bug: the owner also writes the update into its own
     parameters after the gather (a leftover "apply" of the old in-place path), so the owner's copy of its
     shard is updated twice while every other rank's copy of it is updated once."""
-    model = _mlp(2)
+    model = mlp(2)
     params = list(model.parameters())
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     offset = 0
@@ -298,7 +284,7 @@ def _cpu_mesh(*shape: int, names: tuple[str, ...] | None = None):
 def test_correct_ddp_passes_after_every_step(ctx):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp = DDP(_mlp(0))
+    ddp = DDP(mlp(0))
     opt = torch.optim.AdamW(ddp.parameters(), lr=0.01)
     with ctx.replicas_checked(ddp):
         for _ in range(3):
@@ -316,7 +302,7 @@ def test_correct_fsdp2_passes(ctx):
     agree (full_tensor), and so does a BatchNorm buffer the body keeps in sync."""
     from torch.distributed.fsdp import fully_shard
 
-    model = _mlp(4)
+    model = mlp(4)
     fully_shard(model, mesh=_cpu_mesh(ctx.world_size))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with ctx.replicas_checked(model):
@@ -335,7 +321,7 @@ def fsdp2_replicas(ctx, fixed: bool) -> str | None:
     from torch.distributed.fsdp import fully_shard
 
     mesh = _cpu_mesh(2, 2, names=("replica", "shard"))
-    model = _mlp(5)
+    model = mlp(5)
     fully_shard(model, mesh=mesh["shard"])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     replica, shard = ctx.rank // 2, ctx.rank % 2
@@ -393,7 +379,7 @@ def fsdp2_tp_2d(ctx, corrupt: bool) -> str | None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = _cpu_mesh(2, 2, names=("dp", "tp"))
-    model = _mlp(8, dims=(5, 6, 4))
+    model = mlp(8, dims=(5, 6, 4))
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -580,7 +566,7 @@ def test_fingerprints_on_both_paths(monkeypatch, path):
 def test_replicas_checked_follows_only_the_modules_optimizers(ctx):
     """An optimizer of other parameters (rank-local ones, different by design) triggers no check; the module's
     own optimizer does, at each step, and the step count is in the message."""
-    model, local = _mlp(0), nn.Linear(2, 2)
+    model, local = mlp(0), nn.Linear(2, 2)
     with torch.no_grad():
         local.weight.fill_(float(ctx.rank))
     shared_opt = torch.optim.SGD(model.parameters(), lr=0.1)

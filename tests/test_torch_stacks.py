@@ -9,7 +9,6 @@ compare it with a single-process reference computed inside the spec from the sam
 from __future__ import annotations
 
 import copy
-import itertools
 import os
 import tempfile
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _models import mlp
 from packaging.version import Version
 
 import dstest
@@ -43,21 +43,6 @@ def _global(seed: int, *shape: int) -> torch.Tensor:
     """The same tensor on every rank (and in the reference): drawn from a private generator."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g)
-
-
-def _mlp(seed: int, dims: tuple[int, ...] = (5, 7, 3)) -> nn.Sequential:
-    """A small MLP; by default dim-0 sizes 7 (uneven at W = 2, 3, 4) and 3 (uneven at W = 2, 4)."""
-    g = torch.Generator().manual_seed(seed)
-    layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(itertools.pairwise(dims)):
-        lin = nn.Linear(a, b)
-        with torch.no_grad():
-            lin.weight.copy_(torch.randn(b, a, generator=g) / a**0.5)
-            lin.bias.copy_(torch.randn(b, generator=g) * 0.1)
-        layers.append(lin)
-        if i < len(dims) - 2:
-            layers.append(nn.Tanh())
-    return nn.Sequential(*layers)
 
 
 def _cpu_mesh(*shape: int, names: tuple[str, ...] | None = None):
@@ -345,7 +330,7 @@ def test_fsdp2_fully_shard_matches_single_process(ctx, opt_kind, reshard):
     from torch.distributed.tensor import DTensor
 
     w, per_rank = ctx.world_size, 2
-    model = _mlp(0)
+    model = mlp(0)
     batches = _global_batches(3, w, per_rank, 5, 3)
     ref = _reference_train(model, opt_kind, batches)
     mesh = _cpu_mesh(w)
@@ -372,7 +357,7 @@ def test_fsdp2_mixed_precision_bf16(ctx):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     w, per_rank = ctx.world_size, 2
-    model = _mlp(1)
+    model = mlp(1)
     batches = _global_batches(2, w, per_rank, 5, 3)
     # Reference.
     ref = copy.deepcopy(model)
@@ -417,7 +402,7 @@ def test_fsdp2_with_tensor_parallel_on_a_2d_mesh(ctx):
 
     mesh = _cpu_mesh(2, 2, names=("dp", "tp"))
     dp = ctx.rank // 2
-    model = _mlp(8, dims=(5, 6, 3))  # hidden 6 over tp=2; 6 rows over dp=2 after the tp split: 3 -> uneven
+    model = mlp(8, dims=(5, 6, 3))  # hidden 6 over tp=2; 6 rows over dp=2 after the tp split: 3 -> uneven
     batches = _global_batches(2, 2, 2, 5, 3)
     ref = _reference_train(model, "sgd", batches)
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
@@ -441,7 +426,7 @@ def test_tensor_parallel_colwise_rowwise(ctx):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     w = ctx.world_size
-    model = _mlp(2, dims=(6, 4 * w, 5))  # hidden divisible by W: colwise output feeds rowwise input
+    model = mlp(2, dims=(6, 4 * w, 5))  # hidden divisible by W: colwise output feeds rowwise input
     ref = copy.deepcopy(model)
     mesh = _cpu_mesh(w)
     tp = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
@@ -502,7 +487,7 @@ def _ddp_buckets(ctx, mode):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     w, per_rank = ctx.world_size, 2
-    model = _mlp(3)
+    model = mlp(3)
     batches = _global_batches(4, w, per_rank, 5, 3)
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -550,7 +535,7 @@ def test_fsdp1_cpu(ctx):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     w, per_rank = ctx.world_size, 2
-    model = _mlp(4)
+    model = mlp(4)
     batches = _global_batches(2, w, per_rank, 5, 3)
     ref = _reference_train(model, "sgd", batches)
     fsdp = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
@@ -622,8 +607,8 @@ def test_dcp_fsdp2_state_dict(ctx, tmp_path):
 
     w, per_rank = ctx.world_size, 2
     path = str(tmp_path / "fsdp2")
-    model = _mlp(5)
-    fresh = _mlp(6)
+    model = mlp(5)
+    fresh = mlp(6)
     batches = _global_batches(1, w, per_rank, 5, 3)
     ref = _reference_train(model, "sgd", batches)
     mesh = _cpu_mesh(w)
@@ -657,7 +642,7 @@ def test_pipelining_schedules(ctx, schedule):
 
     w, micro = ctx.world_size, 4
     torch.manual_seed(0)
-    full = _mlp(7, dims=tuple([4] * (w + 1)))
+    full = mlp(7, dims=tuple([4] * (w + 1)))
     linears = [m for m in full if isinstance(m, nn.Linear)]
     assert len(linears) == w
     x, y = _global(80, 8, 4), _global(81, 8, 4)
