@@ -15,8 +15,9 @@ import pickle
 import random
 import sys
 import traceback
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+
+from dstest.compat._hidden_world import world_hidden
 
 if TYPE_CHECKING:
     from dstest.worlds.process.byref import ModuleRef
@@ -85,55 +86,6 @@ def _skip_location(exc: BaseException) -> tuple[str, int] | None:
     return frame.filename, int(frame.lineno or 0)
 
 
-#: What a launched rank's environment names about its world; a ``set_dist_env = False`` test sees none.
-_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-@contextlib.contextmanager
-def _world_hidden(set_dist_env: bool) -> Iterator[None]:
-    """For a test that forms its own world: this worker's gloo world out of sight for the block.
-
-    torch-internal: ``distributed_c10d._world`` is swapped for a world state of its own (uninitialised,
-    group names counted from 0; torch's ``_World`` keeps its tables in module globals, so a second
-    ``_World()`` would share them) and the worker's default group is taken out of torch's by-name registry,
-    so the test's ``init_process_group`` registers its own. Afterwards everything the test formed is destroyed and
-    the worker's world, its registration and its global rank are put back.
-    """
-    import torch
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    from dstest.worlds.torch_internals import new_rank_state
-
-    registry: Any = torch._C._distributed_c10d
-    saved = c10d._world
-    default = c10d._get_default_group()
-    name = default.group_name
-    registry._unregister_process_group(name)
-    c10d._world = new_rank_state()
-    c10d._update_default_pg(None)
-    if not set_dist_env:
-        for key in _DIST_ENV:  # put back by dstest's reset of the environment before the next run
-            os.environ.pop(key, None)
-    try:
-        yield
-    finally:
-        from dstest.worlds.process.byref import replace_after_this_run
-
-        # Destroying the test's groups does not close its TCPStore while DeepSpeed's objects still refer to
-        # it: its port (DeepSpeed's default, 29500, when the test sees no MASTER_PORT) would stay taken,
-        # and the next test that binds that port fails. A fresh process for the next test, as the harness
-        # gives every test.
-        replace_after_this_run("the test formed a world of its own")
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        finally:
-            c10d._world = saved
-            c10d._update_default_pg(default)
-            registry._register_process_group(name, default)
-
-
 def rank_main(ctx: Any, payload: bytes, ref: ModuleRef, path: list[str], port: int, hide: bool = False) -> Any:
     """One rank of a warm launch: ``(skip message, where the test skipped)``, the message empty unless the
     test skipped. ``payload`` is the pickled test instance, ``ref`` its module, ``path`` the pytest
@@ -161,7 +113,13 @@ def rank_main(ctx: Any, payload: bytes, ref: ModuleRef, path: list[str], port: i
 
     test.run = run_noting_skips
     box = _SkipBox()
-    with _world_hidden(getattr(test, "set_dist_env", True)) if hide else contextlib.nullcontext():
+    # Destroying the test's groups does not close its TCPStore while DeepSpeed's objects still refer to it:
+    # its port (DeepSpeed's default, 29500, when the test sees no MASTER_PORT) would stay taken, and the next
+    # test that binds that port fails. A fresh process for the next test, as the harness gives every test.
+    hidden = world_hidden(
+        drop_dist_env=not getattr(test, "set_dist_env", True), replace_after="the test formed a world of its own"
+    )
+    with hidden if hide else contextlib.nullcontext():
         returned = getattr(test, RANK_ENTRY)(ctx.rank, ctx.world_size, port, None, box)
     message = returned if isinstance(returned, str) else box.message
     return (message, location[0] if message else None)

@@ -68,10 +68,22 @@ def free_port() -> int:
 def pool_pids(world_size: int, backend: str = "gloo") -> tuple[int, ...]:
     """The worker pids of the live warm pool of ``world_size`` ranks on ``backend`` (empty: none yet).
 
-    A different tuple after a run than before it means the pool was replaced (a rank left it unusable)."""
+    A different tuple after a run than before it means the pool was replaced or killed (a rank hung, died,
+    or left its worker unusable); a killed pool's workers are not listed."""
     from dstest.worlds.process.warm import pool_pids as all_pool_pids
 
-    return tuple(all_pool_pids().get((backend, world_size), ()))
+    return tuple(pid for pid in all_pool_pids().get((backend, world_size), ()) if _alive(pid))
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a killed pool's workers are reaped, and so gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def replace_after_this_run(why: str) -> None:
@@ -80,4 +92,3 @@ def replace_after_this_run(why: str) -> None:
     from dstest.worlds.process.worker import replace_after_this_run as replace
 
     replace(why)
-

@@ -13,7 +13,7 @@ set. After each run it compares:
 - anything that cannot be put back (a module that refuses the assignment) makes the worker unusable: the
   pool replaces it before the next run.
 
-Each difference is reported as ``module.name`` with what was done, and the parent warns with
+A cache (a name containing "cache") is put back without a report. Each other difference is reported as ``module.name`` with what was done, and the parent warns with
 :class:`dstest.errors.StateLeftBehind`, a finding about the code under test: it would have reached the next
 test. What is compared is bindings and the shallow contents of containers; an object changed through its
 own attributes (``obj.field = x`` on a module-level object) is not seen. Modules first imported during a
@@ -105,14 +105,15 @@ class ModuleStateWatch:
 
     @staticmethod
     def _restore_module(name: str, saved: _Saved) -> list[str]:
-        found = []
+        found: list[str] = []
         namespace = vars(saved.module)
         for attr in [a for a in namespace if a not in saved.bindings]:
             value = namespace[attr]
             if (attr.startswith("__") and attr.endswith("__")) or isinstance(value, ModuleType):
                 continue
             del namespace[attr]
-            found.append(f"{name}.{attr}: added by the run ({type(value).__name__}); removed")
+            if not _is_cache(attr):
+                found.append(f"{name}.{attr}: added by the run ({type(value).__name__}); removed")
         for attr, (value, copy) in saved.bindings.items():
             now = namespace.get(attr, _MISSING)
             if now is not value and copy is not None and type(now) is type(value) and _same_contents(copy, now):
@@ -120,11 +121,19 @@ class ModuleStateWatch:
             if now is not value:
                 namespace[attr] = value
                 was = "deleted" if now is _MISSING else f"rebound to a {type(now).__name__}"
-                found.append(f"{name}.{attr}: {was}; put back")
+                if not _is_cache(attr):
+                    found.append(f"{name}.{attr}: {was}; put back")
             elif copy is not None and not _same_contents(copy, value):
                 _restore_contents(value, copy)
-                found.append(f"{name}.{attr}: its {type(value).__name__} changed in place; contents put back")
+                if not _is_cache(attr):
+                    found.append(f"{name}.{attr}: its {type(value).__name__} changed in place; contents put back")
         return found
 
 
 _MISSING = object()
+
+
+def _is_cache(name: str) -> bool:
+    """A module-level cache (its name says so, e.g. ``_planner_cache``): put back like the rest, but not
+    reported, since what it holds is what a fresh process would compute again."""
+    return "cache" in name.lower()

@@ -1,0 +1,92 @@
+"""A warm worker's gloo world out of sight while a test forms a world of its own (every compat plugin).
+
+A test of another suite's harness often initialises ``torch.distributed`` itself (DeepSpeed's
+``init_distributed = False``; every one of torch's ``MultiProcessTestCase`` bases). In a warm worker, whose
+default group is the process world's, that call would fail ("trying to initialize the default process group
+twice"). :func:`world_hidden` swaps torch's world state for an uninitialised one for the block, so the
+test's ``init_process_group`` forms its own world, and afterwards destroys what the test formed and puts
+the worker's world back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["DIST_ENV", "world_hidden"]
+
+#: What a launched rank's environment names about its world.
+DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def world_hidden(*, drop_dist_env: bool, replace_after: str | None) -> Iterator[None]:
+    """This worker's gloo world out of sight for the block.
+
+    torch-internal: ``distributed_c10d._world`` is swapped for a world state of its own (uninitialised,
+    group names counted from 0; torch's ``_World`` keeps its tables in module globals, so a second
+    ``_World()`` would share them) and the worker's default group is taken out of torch's by-name registry,
+    so the test's ``init_process_group`` registers its own. Afterwards everything the test formed is
+    destroyed and the worker's world, its registration and its global rank are put back.
+
+    ``drop_dist_env``: the block also sees none of :data:`DIST_ENV` (put back by dstest's reset of the
+    environment before the next run). ``replace_after``: when given, the reason this worker is replaced
+    after the run (what the test formed may outlive its groups, e.g. a TCPStore holding its port).
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from dstest.worlds.torch_internals import new_rank_state
+
+    registry: Any = torch._C._distributed_c10d
+    saved = c10d._world
+    tables = _module_tables(c10d)
+    default = c10d._get_default_group()
+    name = default.group_name
+    registry._unregister_process_group(name)
+    c10d._world = new_rank_state()
+    c10d._update_default_pg(None)
+    if drop_dist_env:
+        for key in DIST_ENV:
+            os.environ.pop(key, None)
+    try:
+        yield
+    finally:
+        if replace_after is not None:
+            from dstest.worlds.process.byref import replace_after_this_run
+
+            replace_after_this_run(replace_after)
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            c10d._world = saved
+            _put_back(c10d, tables)
+            c10d._update_default_pg(default)
+            registry._register_process_group(name, default)
+
+
+#: Module globals of ``distributed_c10d`` that ``init_process_group`` writes besides the world state (by
+#: torch version; a name this torch lacks is skipped).
+_C10D_GLOBALS = ("_pg_map", "_pg_names", "_pg_group_ranks", "_default_pg_init_method", "_group_count")
+
+
+def _module_tables(c10d: Any) -> dict[str, tuple[Any, Any]]:
+    """Each of :data:`_C10D_GLOBALS`: its object, and a shallow copy when it is a dict."""
+    found = {}
+    for name in _C10D_GLOBALS:
+        if hasattr(c10d, name):
+            value = getattr(c10d, name)
+            found[name] = (value, dict(value) if type(value) is dict else None)
+    return found
+
+
+def _put_back(c10d: Any, tables: dict[str, tuple[Any, Any]]) -> None:
+    for name, (value, copy) in tables.items():
+        setattr(c10d, name, value)
+        if copy is not None:
+            value.clear()
+            value.update(copy)

@@ -1,0 +1,105 @@
+"""Run test files written on torch's own distributed test bases, unchanged, on dstest's worlds.
+
+    pytest -p dstest.compat.torch test/distributed/tensor/test_dtensor.py
+
+(or ``PYTEST_ADDOPTS="-p dstest.compat.torch"``). Without the option, the tests run on the bases as before.
+
+The bases come from the torch that is installed (``torch.testing._internal``); dstest adapts to them when
+the test files have imported them, at collection, and copies none of their code:
+
+- ``MultiProcessTestCase`` and every base deriving from it (``DTensorTestBase`` with ``@with_comms``,
+  ``FSDPTest``, ``DistributedTestBase``...): upstream spawns one fresh process per rank per test, which
+  imports torch and the test module again (seconds per test). Here each rank runs in a warm worker of
+  dstest's process world, through the base's own per-rank entry point (its ``_run``), with the environment
+  the spawned process would have inherited and no ``torch.distributed`` world of the worker's in sight: the
+  test's ``init_process_group`` (gloo on CPU) forms its own, as upstream. Skips (``skip_if_lt_x_gpu`` and
+  every exit-code skip), the exit-code checks and the error texts are the base's own code judging the exit
+  codes the ranks ended with. A hang is reported after the base's timeout with every rank's stack; a rank
+  that raised stops the ranks it left blocked. See :mod:`dstest.compat._torch_launch`.
+- ``MultiThreadedTestCase`` and what derives from it (``DTensorOpTestBase``, ``FSDPTestMultiThread``): the
+  ranks run on dstest's threaded world instead of torch's threaded group, and gain its checks (a
+  collective that does not match across ranks, a deadlock, unwaited work are errors naming the ranks); the
+  base's own ``perThreadSetUp``/``perThreadTearDown`` and its ``_check_return_codes`` judge the outcome.
+  See :mod:`dstest.compat._torch_threaded`.
+- Between tests each worker is put back to what a fresh process has: dstest's resets (environment, working
+  directory, default dtype, deterministic switch, grad mode) and :func:`reset_torch_testing` (default
+  device, dynamo's caches, DeviceMesh's bookkeeping), and torch.distributed's module globals are watched:
+  what a test leaves changed there is put back and named in a ``StateLeftBehind`` warning.
+- A test that needs a fresh process gets the base's own processes: a class with
+  ``dstest_fresh_process = "<why>"`` or a test marked ``@pytest.mark.dstest_fresh_process("<why>")``. The
+  terminal summary lists them, and the tests after which a pool was replaced.
+- ``MultiProcContinuousTest`` keeps its own pool of processes for a whole class, as upstream.
+
+Test ids are upstream's; ``instantiate_parametrized_tests`` and the bases' skips work unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+
+from dstest.compat._torch_launch import FRESH_ATTR, FRESH_MARK, TorchState, adapt_process_base, restore_bases
+from dstest.compat._torch_reset import reset_torch_testing
+
+__all__ = ["FRESH_ATTR", "FRESH_MARK", "reset_torch_testing"]
+
+_STATE_KEY = pytest.StashKey[TorchState]()
+_BASES = "torch.testing._internal.common_distributed"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{FRESH_MARK}(reason): run this test on its base's own processes, not warm")
+    config.stash[_STATE_KEY] = TorchState(strict_shapes=bool(config.getoption("--dstest-strict-shapes", False)))
+    import dstest.resets
+
+    dstest.resets.register("dstest.compat._torch_reset:reset_torch_testing")
+    from dstest.worlds.process.byref import preload_in_fork_server, start_fork_server
+
+    preload_in_fork_server("dstest.compat._torch_preload")
+    start_fork_server()  # imports torch's test bases in its own process while pytest collects
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state = config.stash.get(_STATE_KEY, None)
+    if state is not None:
+        restore_bases(state)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Adapt the bases the collected test files imported; note each test's id and marks."""
+    state = config.stash[_STATE_KEY]
+    bases = sys.modules.get(_BASES)
+    if bases is None:
+        return
+    from dstest.compat._torch_threaded import adapt_threaded_base
+
+    adapt_process_base(state, bases.MultiProcessTestCase)
+    adapt_threaded_base(state, bases.MultiThreadedTestCase)
+    for item in items:
+        cls = getattr(item, "cls", None)
+        if cls is None or not issubclass(cls, (bases.MultiProcessTestCase, bases.MultiThreadedTestCase)):
+            continue
+        test_id = f"{cls.__module__}.{cls.__qualname__}.{item.name}"
+        state.nodeids[test_id] = item.nodeid
+        mark = item.get_closest_marker(FRESH_MARK)
+        if mark is not None:
+            state.marked_fresh[test_id] = str(mark.args[0]) if mark.args else f"marked {FRESH_MARK}"
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    state = config.stash.get(_STATE_KEY, None)
+    if state is None or not (state.warm_runs or state.threaded_runs or state.fresh):
+        return
+    tr = terminalreporter
+    tr.section("dstest: torch's test bases on dstest's worlds")
+    tr.line(
+        f"{state.warm_runs} process-based tests ran on warm workers, {state.threaded_runs} threaded ones on "
+        f"dstest's threaded world; {len(state.fresh)} on their base's own processes"
+    )
+    for e in state.fresh:
+        tr.line(f"  own processes: {e.nodeid}: {e.why}")
+    for e in state.replaced:
+        tr.line(f"  pool replaced after: {e.nodeid}: {e.why}")

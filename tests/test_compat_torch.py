@@ -1,0 +1,306 @@
+"""contract F2: the plugin for torch's own distributed test bases (``-p dstest.compat.torch``), on small test
+files written on those bases (``MultiProcessTestCase``, ``DTensorTestBase`` with ``with_comms``,
+``MultiThreadedTestCase``, ``DTensorOpTestBase``), run with pytest in a subprocess, with and without it.
+
+The bases are the installed torch's (``torch.testing._internal``, which needs ``expecttest``). What is
+checked: the verdicts, the skip and failure texts are the bases' own; the process-based ranks run in
+dstest's warm workers (the same worker pids from one test to the next, where the bases start new processes);
+a hang is reported with every rank's stack; what a test leaves in a worker never reaches the next test; the
+threaded ranks run on dstest's threaded world and a mismatch there is named; a test marked to need a fresh
+process gets the base's own processes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import textwrap
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("expecttest", reason="torch.testing._internal needs expecttest (pip install expecttest)")
+
+pytestmark = pytest.mark.cpu
+
+PROCESS_SUITE = """
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal import common_distributed as cd
+from torch.testing._internal.common_distributed import MultiProcessTestCase, skip_if_lt_x_gpu
+from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize
+from torch.testing._internal.distributed._tensor.common_dtensor import DTensorTestBase, with_comms
+from torch.distributed.tensor import Shard, distribute_tensor
+
+cd.TIMEOUT_OVERRIDE["test_hang"] = 4
+
+
+class ProcTest(MultiProcessTestCase):
+    @property
+    def world_size(self):
+        return 2
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    def _init(self):
+        dist.init_process_group("gloo", init_method=f"file://{self.file_name}", rank=self.rank, world_size=2)
+
+    def test_allreduce(self):
+        self._init()
+        t = torch.ones(4) * (self.rank + 1)
+        dist.all_reduce(t)
+        self.assertEqual(t, torch.full((4,), 3.0))
+        with open(os.path.join(os.environ["PIDS_DIR"], f"{self.id()}.{self.rank}"), "w") as f:
+            f.write(str(os.getpid()))
+
+    def test_fails_on_rank_1(self):
+        self._init()
+        self.assertEqual(self.rank, 0, "rank 1 disagrees")
+
+    def test_raises_before_its_collective(self):
+        self._init()
+        if self.rank == 1:
+            raise ValueError("rank 1 gives up before the all_reduce")
+        dist.all_reduce(torch.ones(2))
+
+    @skip_if_lt_x_gpu(2)
+    def test_needs_two_gpus(self):
+        self._init()
+
+    def test_hang(self):
+        self._init()
+        if self.rank == 1:
+            time.sleep(3600)
+        dist.all_reduce(torch.ones(1))
+
+    def test_leaves_state(self):
+        self._init()
+        torch.set_default_dtype(torch.float64)
+        torch.set_default_device("meta")
+        dist.distributed_c10d._dstest_left_here = 1
+
+    def test_sees_fresh_state(self):
+        self._init()
+        self.assertIs(torch.get_default_dtype(), torch.float32)
+        self.assertEqual(torch.empty(1).device.type, "cpu")
+        self.assertFalse(hasattr(dist.distributed_c10d, "_dstest_left_here"))
+
+    @parametrize("n", [1, 3])
+    def test_param(self, n):
+        self._init()
+        t = torch.ones(n)
+        dist.all_reduce(t)
+        self.assertEqual(t.sum().item(), 2 * n)
+        with open(os.path.join(os.environ["PIDS_DIR"], f"{self.id()}.{self.rank}"), "w") as f:
+            f.write(str(os.getpid()))
+
+
+instantiate_parametrized_tests(ProcTest)
+
+
+class DTensorTest(DTensorTestBase):
+    @property
+    def world_size(self):
+        return 2
+
+    @with_comms
+    def test_round_trip(self):
+        mesh = self.build_device_mesh()
+        x = torch.arange(10.0)
+        self.assertEqual(distribute_tensor(x, mesh, [Shard(0)]).full_tensor(), x)
+        with open(os.path.join(os.environ["PIDS_DIR"], f"{self.id()}.{self.rank}"), "w") as f:
+            f.write(str(os.getpid()))
+"""
+
+THREADED_SUITE = """
+import threading
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.common_distributed import MultiThreadedTestCase
+from torch.testing._internal.distributed._tensor.common_dtensor import DTensorOpTestBase
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+
+class Threads(MultiThreadedTestCase):
+    @property
+    def world_size(self):
+        return 4
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_threads()
+
+    def test_all_reduce(self):
+        t = torch.ones(3) * self.rank
+        dist.all_reduce(t)
+        self.assertEqual(t, torch.full((3,), 6.0))
+        self.assertNotEqual(threading.current_thread().name, "MainThread")
+        self.assertIn("dstest", type(dist.distributed_c10d._get_default_group()).__module__ + repr(dist.group.WORLD))
+
+    def test_mismatch(self):
+        t = torch.ones(3 if self.rank == 2 else 4)
+        dist.all_reduce(t)
+
+    def test_fails_on_rank_0(self):
+        self.assertEqual(self.rank, 3, "only rank 3 is right")
+
+    def test_skips(self):
+        self.skipTest("not here")
+
+
+class Ops(DTensorOpTestBase):
+    def test_redistribute(self):
+        mesh = self.build_device_mesh()
+        x = torch.arange(8.0)
+        self.assertEqual(distribute_tensor(x, mesh, [Shard(0)]).redistribute(mesh, [Replicate()]).to_local(), x)
+"""
+
+
+def _run(pytester: pytest.Pytester, *args: str, plugin: bool = True) -> tuple[pytest.RunResult, dict[str, str]]:
+    """pytest in a subprocess; the verdict of every test from its JUnit XML."""
+    junit = pytester.path / "junit.xml"
+    extra = ["-p", "dstest.compat.torch"] if plugin else []
+    result = pytester.runpytest_subprocess(
+        *extra, "-rsf", "-p", "no:cacheprovider", f"--junitxml={junit}", *args, timeout=600
+    )
+    verdicts = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+        verdicts[case.get("name", "")] = kinds[0] if kinds else "passed"
+    return result, verdicts
+
+
+def _pids(directory: Path, test: str) -> set[str]:
+    return {p.read_text() for p in directory.glob(f"*.{test}.*")}
+
+
+def test_process_bases_keep_their_verdicts_and_run_warm(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pass, fail, the exit-code skip, parametrized ids and with_comms: the bases' verdicts and texts; the
+    ranks of different tests ran in the same worker processes; a hang names every rank; nothing a test
+    changes (default dtype and device, a module global of torch.distributed) reaches the next one."""
+    pids = pytester.path / "pids"
+    pids.mkdir()
+    monkeypatch.setenv("PIDS_DIR", str(pids))
+    pytester.makepyfile(test_suite=textwrap.dedent(PROCESS_SUITE))
+    result, verdicts = _run(pytester, "-p", "no:randomly")
+    assert verdicts == {
+        "test_allreduce": "passed",
+        "test_fails_on_rank_1": "failure",
+        "test_raises_before_its_collective": "failure",
+        "test_needs_two_gpus": "skipped",
+        "test_hang": "failure",
+        "test_leaves_state": "passed",
+        "test_sees_fresh_state": "passed",
+        "test_param_n_1": "passed",
+        "test_param_n_3": "passed",
+        "test_round_trip": "passed",
+    }, result.stdout.str()[-6000:]
+    out = result.stdout.str()
+    # upstream's own texts: the skip message of TEST_SKIPS and _check_return_codes's error
+    result.stdout.fnmatch_lines(["*Need at least 2 CUDA devices*"])
+    assert "Process 1 exited with error code 10 and exception:" in out and "rank 1 disagrees" in out
+    assert "ValueError: rank 1 gives up before the all_reduce" in out
+    assert "ranks [0] were stopped after the failure" in out  # rank 0 was left in its all_reduce
+    assert "past its timeout of 4 s" in out and "---- rank 0" in out and "---- rank 1" in out
+    assert "StateLeftBehind" in out and "_dstest_left_here" in out
+    # the state was put back in the same workers, not left to a replaced pool
+    assert "pool replaced after: test_suite.py::ProcTest::test_hang" in out
+    assert "pool replaced after: test_suite.py::ProcTest::test_leaves_state" not in out
+    # the same two worker processes served two different tests
+    assert _pids(pids, "ProcTest.test_param_n_1") == _pids(pids, "ProcTest.test_param_n_3")
+    assert len(_pids(pids, "ProcTest.test_param_n_1")) == 2 and str(os.getpid()) not in _pids(
+        pids, "ProcTest.test_param_n_1"
+    )
+    result.stdout.fnmatch_lines(
+        ["*dstest: torch's test bases on dstest's worlds*", "*process-based tests ran on warm workers*"]
+    )
+
+
+def test_threaded_bases_run_on_the_threaded_world_with_its_checks(pytester: pytest.Pytester) -> None:
+    """MultiThreadedTestCase and DTensorOpTestBase: the ranks are threads of dstest's threaded world (its
+    default group), a shape mismatch is named with the ranks, the bases' failure and skip texts stay."""
+    pytester.makepyfile(test_threads=textwrap.dedent(THREADED_SUITE))
+    result, verdicts = _run(pytester)
+    assert verdicts == {
+        "test_all_reduce": "passed",
+        "test_mismatch": "failure",
+        "test_fails_on_rank_0": "failure",
+        "test_skips": "skipped",
+        "test_redistribute": "passed",
+    }, result.stdout.str()[-6000:]
+    out = result.stdout.str()
+    assert "Thread 0 exited with exception:" in out and "only rank 3 is right" in out
+    assert "CollectiveMismatch" in out and "rank 2" in out
+
+
+def test_without_the_plugin_the_threaded_mismatch_is_not_caught_the_same_way(pytester: pytest.Pytester) -> None:
+    """The same threaded file on torch's threaded group: the verdicts of the tests that do not depend on
+    dstest's checks are the same; the mismatch is not named as one."""
+    pytester.makepyfile(test_threads=textwrap.dedent(THREADED_SUITE))
+    result, verdicts = _run(pytester, "-k", "not test_all_reduce", plugin=False)
+    assert verdicts["test_fails_on_rank_0"] == "failure" and verdicts["test_skips"] == "skipped"
+    assert verdicts["test_redistribute"] == "passed"
+    assert "CollectiveMismatch" not in result.stdout.str()
+
+
+def test_a_test_marked_for_a_fresh_process_runs_on_the_bases_own_processes(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_fresh=textwrap.dedent(
+            """
+            import os
+            import pytest
+            import torch.distributed as dist
+            from torch.testing._internal.common_distributed import MultiProcessTestCase
+
+            class Fresh(MultiProcessTestCase):
+                world_size = 2
+
+                def setUp(self):
+                    super().setUp()
+                    self._spawn_processes()
+
+                @pytest.mark.dstest_fresh_process("it checks its own pid is new")
+                def test_fresh(self):
+                    dist.init_process_group("gloo", init_method=f"file://{self.file_name}", rank=self.rank, world_size=2)
+                    dist.barrier()
+            """
+        )
+    )
+    result, verdicts = _run(pytester)
+    assert verdicts == {"test_fresh": "passed"}, result.stdout.str()[-4000:]
+    result.stdout.fnmatch_lines(
+        [
+            "*0 process-based tests ran on warm workers*1 on their base's own processes*",
+            "*own processes: test_fresh.py::Fresh::test_fresh: it checks its own pid is new*",
+        ]
+    )
+
+
+def test_a_base_without_the_steps_it_adapts_to_is_refused_with_the_class_and_torch_version() -> None:
+    import torch
+
+    from dstest.compat._torch_launch import TorchState, adapt_process_base
+
+    class Odd:
+        def _start_processes(self, how):  # not (self, proc)
+            pass
+
+        def _join_processes(self, fn):
+            pass
+
+        def _check_return_codes(self, fn, elapsed):
+            pass
+
+    with pytest.raises(
+        pytest.UsageError, match=rf"Odd.*torch {re.escape(torch.__version__)}.*_start_processes\(self, proc\)"
+    ):
+        adapt_process_base(TorchState(), Odd)
