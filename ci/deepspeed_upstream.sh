@@ -37,4 +37,4 @@ for run in ${RUNS:-harness plugin}; do
     echo "$run $p rc=$rc wall=$("$python" -c "print(round($end - $start, 1))")s" | tee -a "$out/walls.txt"
   done
 done
-"$python" "$here/deepspeed_compare.py" "$out" | tee "$out/table.md"
+"$python" "$here/upstream_compare.py" "$out" harness | tee "$out/table.md"

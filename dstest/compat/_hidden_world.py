@@ -22,7 +22,7 @@ DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MA
 
 
 @contextlib.contextmanager
-def world_hidden(*, drop_dist_env: bool, replace_after: str | None) -> Iterator[None]:
+def world_hidden(*, drop_dist_env: bool, replace_after: str | None, checked: bool = True) -> Iterator[None]:
     """This worker's gloo world out of sight for the block.
 
     torch-internal: ``distributed_c10d._world`` is swapped for a world state of its own (uninitialised,
@@ -34,6 +34,10 @@ def world_hidden(*, drop_dist_env: bool, replace_after: str | None) -> Iterator[
     ``drop_dist_env``: the block also sees none of :data:`DIST_ENV` (put back by dstest's reset of the
     environment before the next run). ``replace_after``: when given, the reason this worker is replaced
     after the run (what the test formed may outlive its groups, e.g. a TCPStore holding its port).
+    ``checked``: whether the gloo groups the test forms are dstest's checked groups (every collective matched
+    across ranks by the run's referee), as every gloo group of a worker is; with False they are torch's own
+    ``ProcessGroupGloo``, exactly what a fresh process gets (a checked group is a Python ``ProcessGroup``,
+    whose collectives do not pass through the dispatcher's ``c10d`` ops that ``CommDebugMode`` counts).
     """
     import torch
     import torch.distributed as dist
@@ -52,9 +56,13 @@ def world_hidden(*, drop_dist_env: bool, replace_after: str | None) -> Iterator[
     if drop_dist_env:
         for key in DIST_ENV:
             os.environ.pop(key, None)
+    helper = c10d._new_process_group_helper
+    if not checked and hasattr(helper, "unchecked"):
+        c10d._new_process_group_helper = helper.unchecked
     try:
         yield
     finally:
+        c10d._new_process_group_helper = helper
         if replace_after is not None:
             from dstest.worlds.process.byref import replace_after_this_run
 

@@ -106,7 +106,7 @@ def run_planned(ctx: Any, plans: list[Plan], path: list[str], cwd: str) -> int:
     ours, theirs = multiprocessing.Pipe()
     args = tuple(theirs if isinstance(a, _Pipe) else a for a in pickle.loads(plan.args))
     code = 0
-    with world_hidden(drop_dist_env=False, replace_after=None):
+    with world_hidden(drop_dist_env=False, replace_after=None, checked=False):
         try:
             entry(*args, **pickle.loads(plan.kwargs))
         except SystemExit as exc:

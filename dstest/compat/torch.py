@@ -28,7 +28,9 @@ the test files have imported them, at collection, and copies none of their code:
 - A test that needs a fresh process gets the base's own processes: a class with
   ``dstest_fresh_process = "<why>"`` or a test marked ``@pytest.mark.dstest_fresh_process("<why>")``. The
   terminal summary lists them, and the tests after which a pool was replaced.
-- ``MultiProcContinuousTest`` keeps its own pool of processes for a whole class, as upstream.
+- ``MultiProcContinuousTest`` and ``DTensorContinuousTestBase``: upstream spawns a process per rank per
+  class and feeds it the class's tests; here each test runs on the warm workers, which form the class's
+  world through its own ``_init_pg`` for the test. See :mod:`dstest.compat._torch_continuous`.
 
 Test ids are upstream's; ``instantiate_parametrized_tests`` and the bases' skips work unchanged.
 """
@@ -74,13 +76,19 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     bases = sys.modules.get(_BASES)
     if bases is None:
         return
+    from dstest.compat._torch_continuous import adapt_continuous_base
     from dstest.compat._torch_threaded import adapt_threaded_base
 
     adapt_process_base(state, bases.MultiProcessTestCase)
     adapt_threaded_base(state, bases.MultiThreadedTestCase)
+    continuous = getattr(bases, "MultiProcContinuousTest", None)  # torch 2.11 has it too; older ones may not
+    if continuous is not None:
+        adapt_continuous_base(state, continuous)
     for item in items:
         cls = getattr(item, "cls", None)
-        if cls is None or not issubclass(cls, (bases.MultiProcessTestCase, bases.MultiThreadedTestCase)):
+        if cls is None or not issubclass(
+            cls, (bases.MultiProcessTestCase, bases.MultiThreadedTestCase, *([continuous] if continuous else []))
+        ):
             continue
         test_id = f"{cls.__module__}.{cls.__qualname__}.{item.name}"
         state.nodeids[test_id] = item.nodeid

@@ -13,7 +13,8 @@ set. After each run it compares:
 - anything that cannot be put back (a module that refuses the assignment) makes the worker unusable: the
   pool replaces it before the next run.
 
-A cache (a name containing "cache") is put back without a report. Each other difference is reported as ``module.name`` with what was done, and the parent warns with
+A cache (a name containing "cache") and c10d's tables of groups (which the world manages itself) are put
+back without a report. Each other difference is reported as ``module.name`` with what was done, and the parent warns with
 :class:`dstest.errors.StateLeftBehind`, a finding about the code under test: it would have reached the next
 test. What is compared is bindings and the shallow contents of containers; an object changed through its
 own attributes (``obj.field = x`` on a module-level object) is not seen. Modules first imported during a
@@ -112,7 +113,7 @@ class ModuleStateWatch:
             if (attr.startswith("__") and attr.endswith("__")) or isinstance(value, ModuleType):
                 continue
             del namespace[attr]
-            if not _is_cache(attr):
+            if not _quiet(name, attr):
                 found.append(f"{name}.{attr}: added by the run ({type(value).__name__}); removed")
         for attr, (value, copy) in saved.bindings.items():
             now = namespace.get(attr, _MISSING)
@@ -121,11 +122,11 @@ class ModuleStateWatch:
             if now is not value:
                 namespace[attr] = value
                 was = "deleted" if now is _MISSING else f"rebound to a {type(now).__name__}"
-                if not _is_cache(attr):
+                if not _quiet(name, attr):
                     found.append(f"{name}.{attr}: {was}; put back")
             elif copy is not None and not _same_contents(copy, value):
                 _restore_contents(value, copy)
-                if not _is_cache(attr):
+                if not _quiet(name, attr):
                     found.append(f"{name}.{attr}: its {type(value).__name__} changed in place; contents put back")
         return found
 
@@ -133,7 +134,17 @@ class ModuleStateWatch:
 _MISSING = object()
 
 
-def _is_cache(name: str) -> bool:
-    """A module-level cache (its name says so, e.g. ``_planner_cache``): put back like the rest, but not
-    reported, since what it holds is what a fresh process would compute again."""
-    return "cache" in name.lower()
+#: c10d's tables of groups, which the process world manages itself (it destroys the groups of a run after it,
+#: and the compat plugins' hidden world puts the worker's back): put back, not reported.
+_MANAGED = {
+    "torch.distributed.distributed_c10d": frozenset(
+        ("_world", "_pg_map", "_pg_names", "_pg_group_ranks", "_group_count", "_default_pg_init_method")
+    )
+}
+
+
+def _quiet(module: str, name: str) -> bool:
+    """A module-level cache (its name says so, e.g. ``_planner_cache``), or a table the process world
+    manages: put back like the rest, but not reported (what a cache holds, a fresh process would compute
+    again)."""
+    return "cache" in name.lower() or name in _MANAGED.get(module, ())

@@ -1,7 +1,8 @@
-"""The table of ci/deepspeed_upstream.sh: per item, the verdict and time on DeepSpeed's harness and on the
-plugin (``-p dstest.compat.deepspeed``), from the JUnit files and wall times in OUT_DIR.
+"""The table of ci/deepspeed_upstream.sh and ci/torch_upstream.sh: per path, the verdicts and times of
+the suite's own run (BASELINE: DeepSpeed's harness, "harness"; torch's test bases, "upstream") and of the
+plugin's run ("plugin"), from the JUnit files and wall times in OUT_DIR; every item whose verdict differs.
 
-    python ci/deepspeed_compare.py OUT_DIR
+    python ci/upstream_compare.py OUT_DIR [BASELINE]
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-RUNS = ("harness", "plugin")
+RUNS = ["harness", "plugin"]
 
 
 def verdicts(path: Path) -> dict[str, tuple[str, float, str]]:
@@ -42,22 +43,23 @@ def main(out: Path) -> int:
         if m:
             walls[m.group(1), m.group(2)] = float(m.group(3))  # the last run of a path counts
     paths = sorted({p for _, p in walls}, key=lambda p: [q for r, q in walls].index(p))
-    print("| path | items | harness: pass/fail/skip | plugin: pass/fail/skip | differ | harness s | plugin s | ratio |")
+    base = RUNS[0]
+    print(f"| path | items | {base}: pass/fail/skip | plugin: pass/fail/skip | differ | {base} s | plugin s | ratio |")
     print("|---|---|---|---|---|---|---|---|")
     differing: list[str] = []
     total = {run: 0.0 for run in RUNS}
     for p in paths:
         name = p.replace("/", "_").replace(".", "_")
         sides = {run: verdicts(out / f"{run}-{name}.xml") for run in RUNS}
-        keys = sorted(set(sides["harness"]) | set(sides["plugin"]))
+        keys = sorted(set(sides[RUNS[0]]) | set(sides["plugin"]))
         counts = {run: Counter(v[0] for v in sides[run].values()) for run in RUNS}
-        diff = [k for k in keys if sides["harness"].get(k, ("absent",))[0] != sides["plugin"].get(k, ("absent",))[0]]
+        diff = [k for k in keys if sides[RUNS[0]].get(k, ("absent",))[0] != sides["plugin"].get(k, ("absent",))[0]]
         for k in diff:
-            h = sides["harness"].get(k, ("absent", 0.0, ""))
+            h = sides[RUNS[0]].get(k, ("absent", 0.0, ""))
             q = sides["plugin"].get(k, ("absent", 0.0, ""))
             differing.append(f"| {k} | {h[0]} | {q[0]} | {h[2] or q[2]} |")
-        hw, pw = walls.get(("harness", p)), walls.get(("plugin", p))
-        for run, w in (("harness", hw), ("plugin", pw)):
+        hw, pw = walls.get((RUNS[0], p)), walls.get(("plugin", p))
+        for run, w in ((RUNS[0], hw), ("plugin", pw)):
             total[run] += w or 0.0
         ratio = f"{hw / pw:.1f}x" if hw and pw else "-"
 
@@ -65,18 +67,22 @@ def main(out: Path) -> int:
             return f"{c['passed']}/{c['failed'] + c['error']}/{c['skipped']}"
 
         print(
-            f"| {p} | {len(keys)} | {fmt(counts['harness'])} | {fmt(counts['plugin'])} | {len(diff)} | "
+            f"| {p} | {len(keys)} | {fmt(counts[RUNS[0]])} | {fmt(counts['plugin'])} | {len(diff)} | "
             f"{hw if hw is not None else '-'} | {pw if pw is not None else '-'} | {ratio} |"
         )
-    if total["harness"] and total["plugin"]:
-        print(f"\nall paths: harness {total['harness']:.0f} s, plugin {total['plugin']:.0f} s, "
-              f"ratio {total['harness'] / total['plugin']:.1f}x")
+    if total[RUNS[0]] and total["plugin"]:
+        print(
+            f"\nall paths: {base} {total[base]:.0f} s, plugin {total['plugin']:.0f} s, "
+            f"ratio {total[base] / total['plugin']:.1f}x"
+        )
     print(f"\n{len(differing)} items differ")
     if differing:
-        print("\n| item | harness | plugin | message |\n|---|---|---|---|")
+        print(f"\n| item | {base} | plugin | message |\n|---|---|---|---|")
         print("\n".join(differing))
     return 0
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 2:
+        RUNS[0] = sys.argv[2]
     sys.exit(main(Path(sys.argv[1])))

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Test files of torch's own distributed suite, twice: as upstream runs them (plain pytest; the bases spawn a
+# process per rank per test) and with dstest's plugin (-p dstest.compat.torch); then a per-path table of
+# verdicts and times, and every item whose verdict differs.
+#
+#   bash ci/torch_upstream.sh TORCH_TESTS_DIR [OUT_DIR] [TEST_PATH ...]
+#
+# TORCH_TESTS_DIR holds torch's test files (test/distributed/... of github.com/pytorch/pytorch; they are
+# not in torch's wheel); TEST_PATHs are relative to it. The Python that runs it needs torch, dstest and
+# expecttest. Environment: PYTHON (default python), RUNS ("upstream plugin" by default; one of them to run
+# only that side). The two sides run one after the other on the same machine.
+set -uo pipefail
+root=$(cd "${1:?usage: torch_upstream.sh TORCH_TESTS_DIR [OUT_DIR] [TEST_PATH ...]}" && pwd)
+out=$(mkdir -p "${2:-torch-upstream}" && cd "${2:-torch-upstream}" && pwd)
+shift $(( $# >= 2 ? 2 : $# ))
+paths=("$@")
+if [ ${#paths[@]} -eq 0 ]; then
+  paths=(test/distributed/tensor/test_dtensor_testbase.py)
+fi
+python=${PYTHON:-python}
+here=$(cd "$(dirname "$0")" && pwd)
+for run in ${RUNS:-upstream plugin}; do
+  for p in "${paths[@]}"; do
+    name=$(echo "$p" | tr '/.' '__')
+    cd "$root/$(dirname "$p")"  # as torch's run_test.py does: each file from its own directory
+    start=$(date +%s.%N)
+    if [ "$run" = upstream ]; then
+      "$python" -m pytest -p no:dstest -p no:cacheprovider -q --continue-on-collection-errors \
+        --junitxml="$out/$run-$name.xml" "$(basename "$p")" > "$out/$run-$name.log" 2>&1
+    else
+      "$python" -m pytest -p dstest.compat.torch -p no:cacheprovider -q --continue-on-collection-errors \
+        --junitxml="$out/$run-$name.xml" "$(basename "$p")" > "$out/$run-$name.log" 2>&1
+    fi
+    rc=$?
+    end=$(date +%s.%N)
+    echo "$run $p rc=$rc wall=$("$python" -c "print(round($end - $start, 1))")s" | tee -a "$out/walls.txt"
+  done
+done
+"$python" "$here/upstream_compare.py" "$out" upstream | tee "$out/table.md"
