@@ -169,10 +169,11 @@ def adapt_continuous_base(state: TorchState, base: type) -> None:
             return
         run = _ClassRun(state, cls, int(world_size))
         with tempfile.NamedTemporaryFile(delete=False) as f:
-            cls.rdvz_file = f.name  # type: ignore[attr-defined]  (upstream's tearDownClass removes it)
-        cls.processes = [_Live(r) for r in range(run.world_size)]  # type: ignore[attr-defined]
-        cls.task_queues = [_Tasks(run, r) for r in range(run.world_size)]  # type: ignore[attr-defined]
-        cls.completion_queues = [_Answers(run, r) for r in range(run.world_size)]  # type: ignore[attr-defined]
+            name = f.name
+        setattr(cls, "rdvz_file", name)  # noqa: B010 (upstream's tearDownClass removes it)
+        setattr(cls, "processes", [_Live(r) for r in range(run.world_size)])  # noqa: B010
+        setattr(cls, "task_queues", [_Tasks(run, r) for r in range(run.world_size)])  # noqa: B010
+        setattr(cls, "completion_queues", [_Answers(run, r) for r in range(run.world_size)])  # noqa: B010
 
     state.patched[base] = {_SPAWN: original}
     setattr(base, _SPAWN, classmethod(_spawn_processes))
