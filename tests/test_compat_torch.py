@@ -163,6 +163,49 @@ class Ops(DTensorOpTestBase):
 """
 
 
+CONTINUOUS_SUITE = """
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.common_distributed import MultiProcContinuousTest
+
+
+class Continuous(MultiProcContinuousTest):
+    world_size = 2
+
+    @classmethod
+    def backend_str(cls):
+        return "gloo"
+
+    def test_a_all_reduce(self):
+        t = torch.ones(2) * (self.rank + 1)
+        dist.all_reduce(t)
+        self.assertEqual(t, torch.full((2,), 3.0))
+        self.assertEqual(dist.get_world_size(), 2)
+
+    def test_b_rank_1_raises_before_its_collective(self):
+        if self.rank == 1:
+            raise ValueError("rank 1 gives up")
+        dist.all_reduce(torch.ones(1))
+
+    def test_c_after_a_failure(self):
+        pass
+
+
+class Skips(MultiProcContinuousTest):
+    world_size = 2
+
+    @classmethod
+    def backend_str(cls):
+        return "gloo"
+
+    def test_skip(self):
+        self.skipTest("not on this machine")
+"""
+
+
 def _run(pytester: pytest.Pytester, *args: str, plugin: bool = True) -> tuple[pytest.RunResult, dict[str, str]]:
     """pytest in a subprocess; the verdict of every test from its JUnit XML."""
     junit = pytester.path / "junit.xml"
@@ -250,6 +293,24 @@ def test_without_the_plugin_the_threaded_mismatch_is_not_caught_the_same_way(pyt
     assert verdicts["test_fails_on_rank_0"] == "failure" and verdicts["test_skips"] == "skipped"
     assert verdicts["test_redistribute"] == "passed"
     assert "CollectiveMismatch" not in result.stdout.str()
+
+
+def test_continuous_bases_run_each_test_warm_with_upstreams_answers(pytester: pytest.Pytester) -> None:
+    """MultiProcContinuousTest: a pass, a skip, a rank that raised (its peer, blocked in an all_reduce, is
+    stopped with its stack, not left until the 300 s timeout) and upstream's "skip the rest of the class
+    after a failure"."""
+    pytester.makepyfile(test_continuous=textwrap.dedent(CONTINUOUS_SUITE))
+    result, verdicts = _run(pytester)
+    assert verdicts == {
+        "test_a_all_reduce": "passed",
+        "test_b_rank_1_raises_before_its_collective": "failure",
+        "test_c_after_a_failure": "skipped",
+        "test_skip": "skipped",
+    }, result.stdout.str()[-6000:]
+    out = result.stdout.str()
+    assert "Exception in worker process (rank 1):" in out and "ValueError: rank 1 gives up" in out
+    assert "ranks [0] were stopped after another rank's failure" in out
+    result.stdout.fnmatch_lines(["*Previous test failed, skipping*", "*not on this machine*"])
 
 
 def test_a_test_marked_for_a_fresh_process_runs_on_the_bases_own_processes(pytester: pytest.Pytester) -> None:

@@ -109,16 +109,21 @@ class _ClassRun:
             return [_answer(kind, text) for kind, text in ProcessWorld().run(request)]
         except RankFailure as exc:
             self.state.replaced.append(Elsewhere(self.state.nodeids.get(test_id, test_id), "a rank failed"))
-            return [
-                RuntimeError(
-                    f"Exception in worker process:\n{exc.failures.get(r, '')}"
-                    if not isinstance(exc.exceptions.get(r), WorldAborted)
-                    else f"stopped after another rank's failure:\n{exc.failures.get(r, '')}"
-                )
-                for r in range(self.world_size)
-            ]
+            return [_failure_answer(exc, WorldAborted)] * self.world_size
         except WorldTimeout as exc:
             return [RuntimeError(str(exc))] * self.world_size
+
+
+def _failure_answer(exc: Any, aborted: type) -> RuntimeError:
+    """Every rank's answer to a failed test: the ranks that raised first (upstream's "Exception in worker
+    process"), then the ranks stopped because of them, with their stacks."""
+    stopped = sorted(r for r, e in exc.exceptions.items() if isinstance(e, aborted))
+    failed = [r for r in sorted(exc.failures) if r not in stopped]
+    text = "".join(f"Exception in worker process (rank {r}):\n{exc.failures[r]}\n" for r in failed)
+    if stopped:
+        text += f"ranks {stopped} were stopped after another rank's failure:\n"
+        text += "".join(f"---- rank {r} ----\n{exc.failures.get(r, '')}\n" for r in stopped)
+    return RuntimeError(text)
 
 
 def _answer(kind: str, text: str) -> Any:

@@ -188,9 +188,9 @@ def _run_warm(state: TorchState, test: Any, fn: Callable[..., Any], join: Callab
     from torch.testing._internal import common_distributed as cd
 
     from dstest.compat._torch_rank import plan_of, run_planned
-    from dstest.errors import RankFailure
+    from dstest.errors import RankFailure, WorkerDied, WorldTimeout
     from dstest.worlds.process import ProcessWorld
-    from dstest.worlds.process.byref import pool_pids
+    from dstest.worlds.process.byref import pool_token
     from dstest.worlds.request import RunRequest
 
     planned: list[_Planned] = list(test.processes)
@@ -200,10 +200,11 @@ def _run_warm(state: TorchState, test: Any, fn: Callable[..., Any], join: Callab
     nodeid = state.nodeids.get(test.id(), test.id())
     plans = [plan_of(p.target, p.args, p.kwargs, p.env, nodeid) for p in planned]
     world_size = len(plans)
-    before = pool_pids(world_size)
+    before = pool_token(world_size)
     state.warm_runs += 1
     timeout = float(cd.get_timeout(test.id()))
     error_code = int(getattr(test, "TEST_ERROR_EXIT_CODE", 10))
+    why = None
     try:
         request = RunRequest(
             run_planned,
@@ -215,14 +216,18 @@ def _run_warm(state: TorchState, test: Any, fn: Callable[..., Any], join: Callab
         )
         codes = ProcessWorld().run(request)
         errors: dict[int, str] = {}
+    except (WorldTimeout, WorkerDied) as exc:
+        why = "a rank hung" if isinstance(exc, WorldTimeout) else "a worker died"
+        raise
     except RankFailure as exc:
+        if "pool was replaced" in str(exc):  # ranks were stopped after the failure, or a worker is unusable
+            why = "a rank failed while its peers were blocked"
         codes, errors = _codes_of_failure(exc, world_size, error_code)
     finally:
-        after = pool_pids(world_size)
-        if before and after != before:
-            state.replaced.append(
-                Elsewhere(nodeid, "a rank hung, died, failed with peers blocked, or left its worker unusable")
-            )
+        if why is None and before is not None and pool_token(world_size) != before:
+            why = "the test left its workers unusable"
+        if why is not None:
+            state.replaced.append(Elsewhere(nodeid, why))
     for rank, p in enumerate(planned):
         p.exitcode = codes[rank]
     test.pid_to_pipe = {p.pid: _Said(errors.get(rank)) for rank, p in enumerate(planned)}

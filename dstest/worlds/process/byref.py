@@ -33,6 +33,7 @@ __all__ = [
     "import_module_ref",
     "module_ref",
     "pool_pids",
+    "pool_token",
     "preload_in_fork_server",
     "replace_after_this_run",
     "start_fork_server",
@@ -68,22 +69,20 @@ def free_port() -> int:
 def pool_pids(world_size: int, backend: str = "gloo") -> tuple[int, ...]:
     """The worker pids of the live warm pool of ``world_size`` ranks on ``backend`` (empty: none yet).
 
-    A different tuple after a run than before it means the pool was replaced or killed (a rank hung, died,
-    or left its worker unusable); a killed pool's workers are not listed."""
+    A different tuple after a run than before it means the pool was replaced (a rank left it unusable)."""
     from dstest.worlds.process.warm import pool_pids as all_pool_pids
 
-    return tuple(pid for pid in all_pool_pids().get((backend, world_size), ()) if _alive(pid))
+    return tuple(all_pool_pids().get((backend, world_size), ()))
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (a killed pool's workers are reaped, and so gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def pool_token(world_size: int, backend: str = "gloo") -> int | None:
+    """An identity of the live warm pool of ``world_size`` ranks on ``backend`` (None: none now).
+
+    Taken before and after a run: a token that was not None and changed means the run ended with its
+    pool killed or replaced (a rank hung, died, failed with peers blocked, or left its worker unusable)."""
+    from dstest.worlds.process.warm import pool_token as token
+
+    return token(backend, world_size)
 
 
 def replace_after_this_run(why: str) -> None:

@@ -115,6 +115,16 @@ def shutdown_all() -> None:
     _stop_fork_server()
 
 
+def pool_token(backend: str, world_size: int) -> int | None:
+    """An identity of the live pool of ``world_size`` ranks on ``backend`` (None: none); it changes when
+    the pool is replaced, and is None once it is killed."""
+    with _POOLS_LOCK:
+        for key, pool in _POOLS.items():
+            if (key.backend, key.world_size) == (backend, world_size) and not pool.closed:
+                return id(pool)
+    return None
+
+
 def pool_pids() -> dict[tuple[str, int], list[int]]:
     """The worker pids of every live pool, by (backend, world size); for tests that check no process leaks."""
     with _POOLS_LOCK:
