@@ -40,11 +40,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "specs and runs: @dstest.spec, dstest.run, target binding, programs, strategies, crosscheck",
         ("dstest.specification", "dstest.binding", "dstest.programs", "dstest.strategies", "dstest.crosscheck"),
     ),
-    (
-        "targets",
-        "the systems under test and the conformance specs they are held to",
-        ("dstest.targets", "dstest.conformance"),
-    ),
+    ("targets", "the systems under test and the conformance specs they are held to", ("dstest.targets", "dstest.conformance")),
     ("report", "conformance reports: terminal, JSON, JUnit, HTML, progress", ("dstest.report",)),
     (
         "front",

@@ -62,9 +62,7 @@ def _differs(a: Any, b: Any, rtol: float, atol: float, where: str) -> str | None
         if a.dtype != b.dtype or a.shape != b.shape:
             return f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
         a, b = a.detach().cpu(), b.detach().cpu()
-        same = (
-            torch.equal(a, b) if rtol == 0 and atol == 0 else torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
-        )
+        same = torch.equal(a, b) if rtol == 0 and atol == 0 else torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
         if not same:
             diff = (a.double() - b.double()).abs().max().item() if a.is_floating_point() else "values"
             return f"{where}: tensors differ (largest difference {diff})"
@@ -146,7 +144,9 @@ def crosscheck(
             except RankFailure as err:
                 failures[world] = err
         runs = rec.runs[-1:] if rec.runs else []
-        traces[world] = [[trace_signature(c) for c in runs[0].view(r).calls] if runs else [] for r in range(world_size)]
+        traces[world] = [
+            [trace_signature(c) for c in runs[0].view(r).calls] if runs else [] for r in range(world_size)
+        ]
     name = getattr(fn, "__qualname__", repr(fn))
     if len(failures) == 2:
         raise failures[worlds[0]]

@@ -39,9 +39,7 @@ class GroupBuilder:
         ranks = sorted(set(int(r) for r in ranks))
         bad = [r for r in ranks if not 0 <= r < self.world_size]
         if bad:
-            raise InvalidArgument(
-                f"ranks {bad} are not in a world of {self.world_size} ranks (0..{self.world_size - 1})"
-            )
+            raise InvalidArgument(f"ranks {bad} are not in a world of {self.world_size} ranks (0..{self.world_size - 1})")
         if not ranks:
             raise InvalidArgument("a group needs at least one rank; use absent() for no group")
         return dist.new_group(ranks)

@@ -216,28 +216,16 @@ def _run_exchange(
         out = [torch.empty(sum(recv), 2, dtype=op.torch_dtype, device=ctx.device)]
         _wait(
             dist.all_to_all_single(
-                out[0],
-                ins[0],
-                output_split_sizes=recv,
-                input_split_sizes=list(op.splits[me]),
-                group=group,
-                async_op=a,
+                out[0], ins[0], output_split_sizes=recv, input_split_sizes=list(op.splits[me]),
+                group=group, async_op=a,
             )
         )
     elif k == "gather":
-        out = (
-            [torch.empty(op.numel, dtype=op.torch_dtype, device=ctx.device) for _ in range(n)] if me == op.root else []
-        )
-        _wait(
-            dist.gather(ins[0], gather_list=out if me == op.root else None, dst=ranks[op.root], group=group, async_op=a)
-        )
+        out = [torch.empty(op.numel, dtype=op.torch_dtype, device=ctx.device) for _ in range(n)] if me == op.root else []
+        _wait(dist.gather(ins[0], gather_list=out if me == op.root else None, dst=ranks[op.root], group=group, async_op=a))
     elif k == "scatter":
         out = [torch.empty(op.numel, dtype=op.torch_dtype, device=ctx.device)]
-        _wait(
-            dist.scatter(
-                out[0], scatter_list=ins if me == op.root else None, src=ranks[op.root], group=group, async_op=a
-            )
-        )
+        _wait(dist.scatter(out[0], scatter_list=ins if me == op.root else None, src=ranks[op.root], group=group, async_op=a))
     else:  # pragma: no cover - execute dispatches only these kinds here
         raise AssertionError(k)
     return out
@@ -252,11 +240,7 @@ def _run_point_to_point(
     if op.kind == "send_recv":
         out: list[torch.Tensor] = []
         if me == op.root:
-            _wait(
-                dist.isend(ins[0], dst=ranks[op.peer], group=group)
-                if a
-                else dist.send(ins[0], dst=ranks[op.peer], group=group)
-            )
+            _wait(dist.isend(ins[0], dst=ranks[op.peer], group=group) if a else dist.send(ins[0], dst=ranks[op.peer], group=group))
         elif me == op.peer:
             buf = torch.empty(op.numel, dtype=op.torch_dtype, device=ctx.device)
             if a:

@@ -64,12 +64,8 @@ class ShardLayout:
             raise InvalidArgument(
                 f"gathered buffer has {gathered.numel()} elements, layout expects W*P = {self.padded_numel}"
             )
-        slots = (
-            gathered.reshape(self.world_size, self.shard_size)
-            if self.shard_size
-            else gathered.reshape(self.world_size, 0)
-        )
-        return torch.cat([slots[r, :c] for r, c in enumerate(self.counts)])
+        slots = gathered.reshape(self.world_size, self.shard_size) if self.shard_size else gathered.reshape(self.world_size, 0)
+        return torch.cat([slots[r, : c] for r, c in enumerate(self.counts)])
 
     def _check(self, flat: torch.Tensor) -> None:
         if flat.numel() != self.numel:

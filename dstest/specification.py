@@ -316,9 +316,7 @@ def spec(
     names = _as_worlds(worlds)
     seconds = None if timeout is None else check_timeout(timeout)
     if contract is not None and not isinstance(contract, str):
-        raise InvalidArgument(
-            f"contract={contract!r}: must be a str naming a contract of docs/contracts.md (e.g. 'A4'), or None"
-        )
+        raise InvalidArgument(f"contract={contract!r}: must be a str naming a contract of docs/contracts.md (e.g. 'A4'), or None")
     check_async_hazards(async_hazards, names)
     check_strict_shapes(strict_shapes)
     injected = check_faults(faults)

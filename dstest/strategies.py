@@ -44,9 +44,9 @@ def topologies(world_size: int | None = None) -> st.SearchStrategy[str]:
 
 def subgroups(world_size: int, *, min_size: int = 1) -> st.SearchStrategy[tuple[int, ...]]:
     """Sorted rank subsets of a world; ranks left out are the non-members."""
-    return st.lists(st.integers(0, world_size - 1), min_size=min_size, max_size=world_size, unique=True).map(
-        lambda ranks: tuple(sorted(ranks))
-    )
+    return st.lists(
+        st.integers(0, world_size - 1), min_size=min_size, max_size=world_size, unique=True
+    ).map(lambda ranks: tuple(sorted(ranks)))
 
 
 def awkward_numels(world_size: int) -> st.SearchStrategy[int]:

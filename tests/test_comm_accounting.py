@@ -21,7 +21,6 @@ from dstest.worlds.request import RunRequest
 
 pytestmark = pytest.mark.cpu
 
-
 def _has_list_all_to_all(world: str) -> bool:
     """torch 2.11's gloo has no list all_to_all: the process world leaves it out there."""
     return world != "process" or torch_internals.gloo_has_list_all_to_all()

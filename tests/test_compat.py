@@ -263,13 +263,7 @@ def test_destroying_groups_on_rank_threads_clears_every_table_of_their_own_world
         dist.new_group([0, 1])
         dist.destroy_process_group()
         state = c10d._world._target()
-        return [
-            name
-            for name in dir(type(state))
-            if name.startswith("pg_")
-            and name != "pg_config_info"
-            and isinstance(getattr(state, name), dict)
-            and getattr(state, name)
-        ]
+        return [name for name in dir(type(state)) if name.startswith("pg_") and name != "pg_config_info"
+                and isinstance(getattr(state, name), dict) and getattr(state, name)]
 
     assert ThreadedWorld().run(RunRequest(body, 2)) == [[], []]

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.cpu
 
 #: A harness of the shape of DeepSpeed's tests/unit/common.py (the two steps the plugin adapts to:
 #: _launch_with_file_store(request, world_size) and _dist_run(local_rank, num_procs, master_port, ...)).
-COMMON = """
+COMMON = '''
 import inspect
 import os
 import socket
@@ -105,9 +105,9 @@ class DistributedTest(DistributedExec):
 
 class DistributedFixture(DistributedExec):
     is_dist_fixture = True
-"""
+'''
 
-CONFTEST = """
+CONFTEST = '''
 import pytest
 
 
@@ -121,7 +121,7 @@ def pytest_runtest_call(item):
     if getattr(item.cls, "is_dist_test", False):
         item.cls()(item._request)
         item.runtest = lambda: True
-"""
+'''
 
 
 def _suite(pytester: pytest.Pytester, tests: str, *, conftest_extra: str = "", **files: str) -> None:
@@ -487,11 +487,9 @@ def test_a_hanging_test_is_reported_with_stacks_and_the_next_test_runs(pytester:
     """F1, E3: a hang past exec_timeout fails with every rank's stack; the session goes on."""
     _suite(pytester, HANG)
     result, verdicts = _run(pytester)
-    assert verdicts == {
-        "test_warms_the_pool": "passed",
-        "test_hangs": "failed",
-        "test_runs_after_the_hang": "passed",
-    }, result.stdout.str()
+    assert verdicts == {"test_warms_the_pool": "passed", "test_hangs": "failed", "test_runs_after_the_hang": "passed"}, (
+        result.stdout.str()
+    )
     out = result.stdout.str()
     lines = (pytester.path / "test_suite.py").read_text().splitlines()
     sleep_line = next(n for n, line in enumerate(lines, 1) if "time.sleep(600)" in line)
@@ -674,7 +672,9 @@ HELD_PORT = """
 """
 
 
-def test_a_world_a_test_formed_leaves_no_port_taken(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_world_a_test_formed_leaves_no_port_taken(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """F1, E10: a test that forms its own world on a fixed port (DeepSpeed's default, 29500) and whose
     store something still refers to does not keep that port from the tests after it, as its own process
     would not after exiting: its workers are replaced."""

@@ -118,9 +118,7 @@ def tensor_parallel_mlp_training(ctx):
     hidden = 4 * w  # divisible: Rowwise takes its input as even shards
     ref = nn.Sequential(nn.Linear(10, hidden), nn.ReLU(), nn.Linear(hidden, 5))
     model = parallelize_module(
-        nn.Sequential(*[m for m in _copy(ref)]),
-        init_device_mesh("cpu", (w,)),
-        {"0": ColwiseParallel(), "2": RowwiseParallel()},
+        nn.Sequential(*[m for m in _copy(ref)]), init_device_mesh("cpu", (w,)), {"0": ColwiseParallel(), "2": RowwiseParallel()}
     )
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.25), torch.optim.SGD(ref.parameters(), lr=0.25)
     losses = []
@@ -264,11 +262,8 @@ def test_a_difference_in_results_is_named_with_the_rank_and_both_values():
 
 
 def test_a_difference_in_the_trace_names_the_call_on_each_world():
-    with pytest.raises(
-        WorldsDiverge,
-        match=r"rank 0's call 2: threaded world broadcast\(float32\[2\], root=1\) on "
-        r"world \(seq 2\), process world no call",
-    ):
+    with pytest.raises(WorldsDiverge, match=r"rank 0's call 2: threaded world broadcast\(float32\[2\], root=1\) on "
+                       r"world \(seq 2\), process world no call"):
         dstest.crosscheck(extra_call_on_threads, 2)
 
 

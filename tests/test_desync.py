@@ -278,10 +278,9 @@ def check_desync(world: str, scenario: dict[str, Any]) -> None:
         assert _DESYNC.search(text) or (own is not None and own in text), f"not the desync's failure: {text[:3000]}"
     assert "timed out" not in text and "WorkerDied" not in text, text[:2000]
     # The same threads or warm workers run the next world, and it passes.
-    assert (
-        dstest.run(healthy_body, scenario["world_size"], world=world)
-        == [float(scenario["world_size"])] * scenario["world_size"]
-    )
+    assert dstest.run(healthy_body, scenario["world_size"], world=world) == [float(scenario["world_size"])] * scenario[
+        "world_size"
+    ]
 
 
 def _communicates(scenario: dict[str, Any]) -> bool:
@@ -330,57 +329,17 @@ def test_a_failed_work_future_is_failed_for_cpp_consumers_too():
 # -- the generator --------------------------------------------------------------------------------------
 # A fixed sample of every stack and kind in -m cpu (each at a step k >= 1), then hypothesis' draws.
 _SAMPLE = [
-    {
-        "stack": "ddp",
-        "cfg": {"bucket_cap_mb": 1e-4, "static_graph": True, "unused": False, "no_sync": False},
-        "world_size": 3,
-        "rank": 2,
-        "kind": "skip_backward",
-        "steps": 3,
-        "k": 2,
-        "extra": 1,
-    },
-    {
-        "stack": "ddp",
-        "cfg": {"bucket_cap_mb": 25.0, "static_graph": False, "unused": True, "no_sync": True},
-        "world_size": 2,
-        "rank": 0,
-        "kind": "fewer",
-        "steps": 4,
-        "k": 2,
-        "extra": 1,
-    },
-    {
-        "stack": "fsdp2",
-        "cfg": {"reshard": True, "accumulate": True},
-        "world_size": 3,
-        "rank": 1,
-        "kind": "more",
-        "steps": 2,
-        "k": 1,
-        "extra": 1,
-    },
-    {
-        "stack": "fsdp2",
-        "cfg": {"reshard": False, "accumulate": False},
-        "world_size": 2,
-        "rank": 1,
-        "kind": "skip_backward",
-        "steps": 3,
-        "k": 1,
-        "extra": 1,
-    },
+    {"stack": "ddp", "cfg": {"bucket_cap_mb": 1e-4, "static_graph": True, "unused": False, "no_sync": False},
+     "world_size": 3, "rank": 2, "kind": "skip_backward", "steps": 3, "k": 2, "extra": 1},
+    {"stack": "ddp", "cfg": {"bucket_cap_mb": 25.0, "static_graph": False, "unused": True, "no_sync": True},
+     "world_size": 2, "rank": 0, "kind": "fewer", "steps": 4, "k": 2, "extra": 1},
+    {"stack": "fsdp2", "cfg": {"reshard": True, "accumulate": True}, "world_size": 3, "rank": 1,
+     "kind": "more", "steps": 2, "k": 1, "extra": 1},
+    {"stack": "fsdp2", "cfg": {"reshard": False, "accumulate": False}, "world_size": 2, "rank": 1,
+     "kind": "skip_backward", "steps": 3, "k": 1, "extra": 1},
     {"stack": "fsdp1", "cfg": {}, "world_size": 2, "rank": 0, "kind": "exit", "steps": 3, "k": 2, "extra": 1},
-    {
-        "stack": "dtensor",
-        "cfg": {"rows": 5},
-        "world_size": 3,
-        "rank": 0,
-        "kind": "raise",
-        "steps": 3,
-        "k": 1,
-        "extra": 1,
-    },
+    {"stack": "dtensor", "cfg": {"rows": 5}, "world_size": 3, "rank": 0, "kind": "raise", "steps": 3, "k": 1,
+     "extra": 1},
     {"stack": "tp", "cfg": {}, "world_size": 2, "rank": 1, "kind": "more", "steps": 2, "k": 1, "extra": 2},
     {"stack": "dcp", "cfg": {}, "world_size": 2, "rank": 1, "kind": "fewer", "steps": 3, "k": 1, "extra": 1},
 ]
@@ -392,16 +351,8 @@ def test_every_stack_runs_clean_without_a_desync(world, stack):
     """The control: each stack's loop, no rank deviating (k past the last step), passes at W = 3."""
     cfg = next(s["cfg"] for s in _SAMPLE if s["stack"] == stack)
     with tempfile.TemporaryDirectory() as root:
-        scenario = {
-            "stack": stack,
-            "cfg": {**cfg, "root": root},
-            "world_size": 3,
-            "rank": 0,
-            "kind": "exit",
-            "steps": 3,
-            "k": 3,
-            "extra": 0,
-        }
+        scenario = {"stack": stack, "cfg": {**cfg, "root": root}, "world_size": 3, "rank": 0, "kind": "exit",
+                    "steps": 3, "k": 3, "extra": 0}
         assert dstest.run(desync_body, 3, world=world, kwargs={"scenario": scenario}) == [3, 3, 3]
 
 

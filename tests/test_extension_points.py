@@ -91,11 +91,7 @@ def test_an_external_target_and_world_run_the_bundled_specs(pytester: pytest.Pyt
     got = {k: outcomes.get(k, 0) for k in ("passed", "deviation", "failed")}
     assert got == {**EXPECTED, "failed": 0}, result.stdout.str()
     result.stdout.fnmatch_lines(
-        [
-            "*myworld ran 13 runs*",
-            "*DEVIATIONS of target 'mytarget' from the contracts (docs/contracts.md)*",
-            "DEV *test_a3_single_rank_group*",
-        ]
+        ["*myworld ran 13 runs*", "*DEVIATIONS of target 'mytarget' from the contracts (docs/contracts.md)*", "DEV *test_a3_single_rank_group*"]
     )
     assert result.ret == pytest.ExitCode.TESTS_FAILED  # a deviation is still a failed check under pytest
 

@@ -304,9 +304,7 @@ def test_kill_on_a_subgroup(world: str) -> None:
     assert seconds < 5.0
     assert results[1] == Killed(1, "all_reduce #1 on group [0, 1]")
     assert results[2] == []
-    assert results[0][0].startswith(
-        "rank 1 was killed by an injected fault (dstest Kill at its all_reduce #1 on group [0, 1])"
-    )
+    assert results[0][0].startswith("rank 1 was killed by an injected fault (dstest Kill at its all_reduce #1 on group [0, 1])")
 
 
 def test_kill_on_a_cold_threaded_world() -> None:

@@ -221,10 +221,7 @@ def test_entries_hold_the_records(tmp_path: Any) -> None:
     gathered = by_name["nccl:all_gather"]
     assert gathered["input_sizes"] == [[3]] and gathered["output_sizes"] == [[3, 3]]
     assert gathered["input_dtypes"] == ["Float"] and by_name["nccl:_all_gather_base"]["output_sizes"] == [[9]]
-    assert (
-        by_name["nccl:all_reduce_barrier"]["input_sizes"] == []
-        and by_name["nccl:all_reduce_barrier"]["input_dtypes"] == []
-    )
+    assert by_name["nccl:all_reduce_barrier"]["input_sizes"] == [] and by_name["nccl:all_reduce_barrier"]["input_dtypes"] == []
     sub = [e for e in dump["entries"] if e["process_group"] != ("0", "default_pg")]
     assert len(sub) == 1 and sub[0]["input_dtypes"] == ["Long"] and sub[0]["process_group"][1] == "undefined"
     with open(tmp_path / f"{FR_PREFIX}2", "rb") as f:

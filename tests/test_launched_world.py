@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.cpu
 
-_SPECS = """
+_SPECS = '''
 import os, time
 import torch, torch.distributed as dist
 import dstest
@@ -72,9 +72,9 @@ def test_plain_passes():
 def test_zz_main_thread_hangs_on_rank_one():
     if RANK == 1:
         time.sleep(3600)
-""".replace("@dstest.cpu_test", "@pytest.mark.cpu").replace("import dstest", "import dstest, pytest")
+'''.replace("@dstest.cpu_test", "@pytest.mark.cpu").replace("import dstest", "import dstest, pytest")
 
-_DIVERGENT = """
+_DIVERGENT = '''
 import os
 import pytest
 
@@ -86,12 +86,10 @@ if os.environ["RANK"] == "1":
     @pytest.mark.cpu
     def test_only_on_rank_one():
         pass
-"""
+'''
 
 
-def _launch(
-    tmp_path: Path, nproc: int, *args: str, timeout: float = 240
-) -> tuple[subprocess.CompletedProcess[str], float]:
+def _launch(tmp_path: Path, nproc: int, *args: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess[str], float]:
     (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")
     env = {
         k: v
@@ -140,7 +138,7 @@ def test_launched_ranks_run_in_lockstep_and_rank_0_reports(tmp_path: Path, nproc
     assert failure is not None
     text = failure.text or ""
     assert "rank 1: ValueError: rank one is broken" in text
-    assert 'test_specs.py", line 22, in test_rank_one_fails' in text  # rank 1's own frame
+    assert "test_specs.py\", line 22, in test_rank_one_fails" in text  # rank 1's own frame
     assert 'raise ValueError("rank one is broken")' in text
     assert "rank 0 stopped because another rank failed" in text
     # A rank hung in a spec: reported with its stack after the spec's timeout, and the session goes on.

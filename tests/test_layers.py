@@ -64,9 +64,7 @@ def test_impl_importing_dstest_fails_the_check(tmp_path: Path) -> None:
     root = _copy(tmp_path)
     (root / "impl" / "planted.py").write_text("def f():\n    import dstest.errors\n")
     found = _layers().violations(root)
-    assert found == [
-        "impl/planted.py:2: impl.planted imports dstest.errors: impl (the runtime under test) never imports dstest"
-    ]
+    assert found == ["impl/planted.py:2: impl.planted imports dstest.errors: impl (the runtime under test) never imports dstest"]
 
 
 def test_type_checking_imports_do_not_count(tmp_path: Path) -> None:

@@ -117,9 +117,7 @@ def test_markers_are_registered(pytester: pytest.Pytester) -> None:
 
 
 def test_plugin_import_does_not_import_torch(pytester: pytest.Pytester) -> None:
-    result = pytester.run(
-        sys.executable, "-c", "import sys, dstest.pytest.plugin, dstest; print('torch' in sys.modules)"
-    )
+    result = pytester.run(sys.executable, "-c", "import sys, dstest.pytest.plugin, dstest; print('torch' in sys.modules)")
     assert result.ret == 0, result.stderr.str()
     result.stdout.fnmatch_lines(["False"])
 

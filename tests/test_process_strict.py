@@ -384,9 +384,7 @@ def test_main_guard_detection(tmp_path):
     assert [_under_main_guard(str(source), n) for n in (2, 3)] == [True, False]
     # Inside multiprocessing's import of the script (as __mp_main__), any module-level call is refused.
     code = compile(
-        "from dstest.worlds.process.world import _check_not_bootstrapping\n_check_not_bootstrapping('run')",
-        "s.py",
-        "exec",
+        "from dstest.worlds.process.world import _check_not_bootstrapping\n_check_not_bootstrapping('run')", "s.py", "exec"
     )
     with pytest.raises(UnguardedMain, match="__mp_main__"):
         exec(code, {"__name__": "__mp_main__", "__file__": "s.py"})

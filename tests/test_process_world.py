@@ -216,9 +216,7 @@ def _workers_below_me() -> set[int]:
 def _assert_replaced(old: list[int]) -> None:
     for pid in old:
         assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} of the failed pool survived"
-    assert PROCESS.run(RunRequest(_draw_and_reduce, 2, args=(0.0,))) == ThreadedWorld().run(
-        RunRequest(_draw_and_reduce, 2, args=(0.0,))
-    )
+    assert PROCESS.run(RunRequest(_draw_and_reduce, 2, args=(0.0,))) == ThreadedWorld().run(RunRequest(_draw_and_reduce, 2, args=(0.0,)))
     assert set(pool_pids()[("gloo", 2)]).isdisjoint(old)
     live = {pid for pids in pool_pids().values() for pid in pids}
     assert _workers_below_me() <= live, "a worker process outside the live pools survived"
@@ -295,9 +293,7 @@ def test_failure_after_collectives_keeps_the_pool():
     with pytest.raises(RankFailure, match="rank 1 objects"):
         PROCESS.run(RunRequest(_fails_after_collectives, 2))
     assert pool_pids()[("gloo", 2)] == old
-    assert PROCESS.run(RunRequest(_draw_and_reduce, 2, args=(1.0,))) == ThreadedWorld().run(
-        RunRequest(_draw_and_reduce, 2, args=(1.0,))
-    )
+    assert PROCESS.run(RunRequest(_draw_and_reduce, 2, args=(1.0,))) == ThreadedWorld().run(RunRequest(_draw_and_reduce, 2, args=(1.0,)))
 
 
 def _destroys_the_world_group(ctx):

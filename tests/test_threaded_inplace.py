@@ -28,17 +28,8 @@ def _data(rank: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor
 
 
 @pytest.mark.parametrize("n", [7, LARGE])
-@pytest.mark.parametrize(
-    ("op", "dtype"),
-    [
-        ("SUM", torch.float32),
-        ("AVG", torch.float32),
-        ("MAX", torch.float32),
-        ("AVG", torch.int64),
-        ("BXOR", torch.int64),
-        ("PRODUCT", torch.int32),
-    ],
-)
+@pytest.mark.parametrize(("op", "dtype"), [("SUM", torch.float32), ("AVG", torch.float32), ("MAX", torch.float32),
+                                           ("AVG", torch.int64), ("BXOR", torch.int64), ("PRODUCT", torch.int32)])
 def test_all_reduce_equals_the_rank_order_reference(n: int, op: str, dtype: torch.dtype) -> None:
     def body(ctx: Any) -> torch.Tensor:
         t = _data(ctx.rank, n, dtype)

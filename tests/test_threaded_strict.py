@@ -238,12 +238,7 @@ def _seeded_model(ctx):
 
 def test_manual_seed_then_module_construction_gives_every_rank_the_reference_weights():
     torch.manual_seed(1234)  # the single-process reference
-    want = torch.cat(
-        [
-            p.detach().flatten()
-            for p in torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)).parameters()
-        ]
-    )
+    want = torch.cat([p.detach().flatten() for p in torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)).parameters()])
     world = ThreadedWorld(warm=True)
     for _ in range(15):
         for got in world.run(RunRequest(_seeded_model, 4, timeout=TIMEOUT)):

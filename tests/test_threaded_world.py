@@ -321,9 +321,7 @@ def test_warm_world_retires_its_crew_on_failure_and_shutdown_stops_the_rest():
         if ctx.rank == 0:
             dist.isend(torch.ones(1), dst=1)  # never received, never waited
 
-    with pytest.raises(
-        RankFailure, match=r"rank 0: (UnfinishedWork|CollectiveMismatch)(.|\n)*send\(float32\[1\]@cpu to rank 1"
-    ):
+    with pytest.raises(RankFailure, match=r"rank 0: (UnfinishedWork|CollectiveMismatch)(.|\n)*send\(float32\[1\]@cpu to rank 1"):
         warm.run(RunRequest(unmatched_isend, 2))  # issue 10.1: orphan work fails the run that left it
     assert not any(t.is_alive() for t in after)
     assert warm.run(RunRequest(lambda ctx: dist.get_world_size(), 2)) == [2, 2]  # and never leaks into the next

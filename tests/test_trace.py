@@ -176,9 +176,7 @@ def test_deadlock_report_shows_the_pending_calls() -> None:
     text = str(err.value)
     assert "deadlock" in text and "last calls of each rank" in text
     timeline = text[text.index("last calls of each rank") :]
-    assert re.search(
-        r"rank 0:\n.*all_reduce.*: done;.*\n.*recv\(float32\[2\], from rank 1\) on world, 8 B.*failed", timeline
-    )
+    assert re.search(r"rank 0:\n.*all_reduce.*: done;.*\n.*recv\(float32\[2\], from rank 1\) on world, 8 B.*failed", timeline)
     assert re.search(r"rank 1:\n.*all_reduce.*: done;.*\n.*barrier\(\) on world seq \d+, 0 B.*failed", timeline)
 
 

@@ -124,10 +124,8 @@ class Lockstep:
         keys = {r: base + str(r) for r in live}
         missing_keys = launch.wait_for(list(keys.values()), time.monotonic() + self.timeout)
         silent = [r for r, k in keys.items() if k in missing_keys]
-        if (
-            not silent
-            and report.outcome == "passed"
-            and not any(launch.count(base + outcome) for outcome in ("failed", "skipped"))
+        if not silent and report.outcome == "passed" and not any(
+            launch.count(base + outcome) for outcome in ("failed", "skipped")
         ):
             return  # every rank passed: the common case costs one post and one wait
         reports: dict[int, pytest.TestReport] = {}

@@ -315,9 +315,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     reports = terminalreporter.stats.get(DEVIATION, [])
     if not reports or config.option.tbstyle == "no":
         return
-    terminalreporter.write_sep(
-        "=", f"DEVIATIONS of target {settings(config).target!r} from the contracts (docs/contracts.md)", yellow=True
-    )
+    terminalreporter.write_sep("=", f"DEVIATIONS of target {settings(config).target!r} from the contracts (docs/contracts.md)", yellow=True)
     for report in reports:
         terminalreporter.write_sep("_", report.head_line or report.nodeid, yellow=True)
         terminalreporter.line(report.longreprtext)

@@ -19,13 +19,7 @@ import torch
 
 from dstest.errors import Deviation, DstestError
 
-__all__ = [
-    "DeepSpeedAdapterError",
-    "DeepSpeedDeviation",
-    "DeepSpeedUnavailable",
-    "crash_is_deviation",
-    "import_deepspeed",
-]
+__all__ = ["DeepSpeedAdapterError", "DeepSpeedDeviation", "DeepSpeedUnavailable", "crash_is_deviation", "import_deepspeed"]
 
 
 class DeepSpeedUnavailable(DstestError, ImportError):

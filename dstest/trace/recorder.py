@@ -145,9 +145,7 @@ class Recorder:
         for rank in sorted(self.logs):
             log = self.logs[rank]
             events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": rank, "args": {"name": f"rank {rank}"}})
-            events.append(
-                {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": rank, "args": {"sort_index": rank}}
-            )
+            events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": rank, "args": {"sort_index": rank}})
             for rec in list(log.records):
                 args = {
                     "group": rec.group,
@@ -171,9 +169,7 @@ class Recorder:
                 if rec.sync or rec.t_wait is None:
                     # Blocking (or never waited): one slice from the post to the end of the wait.
                     stop = rec.t_waited if rec.t_waited is not None else done
-                    events.append(
-                        {**base, "name": rec.op, "ph": "X", "ts": ts, "dur": max(0.0, (stop - rec.t_post) / 1e3)}
-                    )
+                    events.append({**base, "name": rec.op, "ph": "X", "ts": ts, "dur": max(0.0, (stop - rec.t_post) / 1e3)})
                     continue
                 # Asynchronous: an instant at the post, the flight as an async span, the wait as a slice.
                 flow += 1

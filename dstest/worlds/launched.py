@@ -408,9 +408,7 @@ class _Run:
                 device_id=launch.device if launch.backend == "nccl" else None,
             )
             self.formed = True
-            ctx = RankContext(
-                rank=rank, world_size=self.world_size, world="launched", device=launch.device, seed=self.seed
-            )
+            ctx = RankContext(rank=rank, world_size=self.world_size, world="launched", device=launch.device, seed=self.seed)
             # A process owns its global RNGs: seed them as the process world does (E5).
             torch.manual_seed(rank_seed(self.seed, rank))
             random.seed(rank_seed(self.seed, rank))

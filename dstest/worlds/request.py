@@ -82,9 +82,7 @@ class RunRequest:
         put(self, "seed", check_seed(self.seed))
         args, kwargs = self.args, self.kwargs
         if isinstance(args, str | bytes) or not isinstance(args, Sequence):
-            raise InvalidArgument(
-                f"args={args!r} ({type(args).__name__}): must be a tuple or list of positional arguments"
-            )
+            raise InvalidArgument(f"args={args!r} ({type(args).__name__}): must be a tuple or list of positional arguments")
         if kwargs is None:
             kwargs = {}
         if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):

@@ -229,7 +229,9 @@ def _await_ranks(
         return ""
     stacks = stacks_of(threads)
     lines = "\n".join(f"---- {t.name} ----\n{stacks.get(threads.index(t), '(no stack)')}" for t in left)
-    return f"\nthreads that could not be stopped (stuck in C code; never reused): {[t.name for t in left]}\n{lines}"
+    return (
+        f"\nthreads that could not be stopped (stuck in C code; never reused): {[t.name for t in left]}\n{lines}"
+    )
 
 
 # -- warm crews -------------------------------------------------------------------------------------
@@ -281,9 +283,7 @@ class _WarmCrew:
                 self._phase.done(rank)
                 while (task := self._tasks[rank].get()) is not None:
                     fresh.begin(self._run_id)
-                    self._defaults[
-                        rank
-                    ]._seq = 0  # the world group's calls count from 1 in each run, as in a fresh world
+                    self._defaults[rank]._seq = 0  # the world group's calls count from 1 in each run, as in a fresh world
                     task(rank)
                     if not dist.is_initialized():  # the run destroyed the default group itself
                         self.broken = True

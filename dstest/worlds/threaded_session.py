@@ -126,11 +126,7 @@ class ThreadedSession(Session):
     def _note_unheld_draws(self) -> None:
         """Whether the global RNG moved since a seeding rank let it go (draws no rank held it for)."""
         left = self._rng_left
-        if (
-            left is not None
-            and self._rng_unheld is None
-            and not torch.equal(torch.default_generator.get_state(), left[1])
-        ):
+        if left is not None and self._rng_unheld is None and not torch.equal(torch.default_generator.get_state(), left[1]):
             self._rng_unheld = left[0]
 
     def release_rng(self, rank: int) -> None:

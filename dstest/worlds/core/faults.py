@@ -134,9 +134,7 @@ def check_faults(faults: Iterable[Any] | None, world_size: int | None = None) ->
             raise InvalidArgument(f"faults: {f!r} is not a dstest.faults.Kill, Fail or Delay")
         if world_size is not None:
             if f.rank >= world_size:
-                raise InvalidArgument(
-                    f"{f!r}: rank {f.rank} is not a rank of a world of {world_size} (0..{world_size - 1})"
-                )
+                raise InvalidArgument(f"{f!r}: rank {f.rank} is not a rank of a world of {world_size} (0..{world_size - 1})")
             if isinstance(f.group, tuple) and (max(f.group) >= world_size or f.rank not in f.group):
                 raise InvalidArgument(
                     f"{f!r}: group {list(f.group)} must hold rank {f.rank} and only ranks of a world of {world_size}"

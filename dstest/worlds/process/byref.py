@@ -8,7 +8,8 @@ name), so the plugin's own rank function must live at module level; what that fu
 - :func:`module_ref` names a module the way a worker imports it again (its name, its file, and whether
   pytest rewrote its assertions), and :func:`import_module_ref` imports it on the rank.
 - :func:`free_port` is a port for a rendezvous of the plugin's own (a ``MASTER_PORT`` the harness gives
-  its ranks); :func:`pool_pids` says which workers a world size has now, to notice a replaced pool.
+  its ranks); :func:`pool_pids` says which workers a world size has now, to notice a replaced pool, and
+  :func:`pool_token` whether a run ended with its pool killed or replaced.
 - :func:`preload_in_fork_server` has every worker start with the suite's heavy imports done once, and
   :func:`start_fork_server` starts that server at once, so its imports overlap the plugin's collection;
   :func:`replace_after_this_run`, called on a rank, gives the next run fresh processes.

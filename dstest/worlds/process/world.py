@@ -108,9 +108,7 @@ def _under_main_guard(path: str, lineno: int) -> bool:
 
 
 @functools.lru_cache(maxsize=8)
-def _top_level_statements(
-    path: str, stamp: tuple[int, int, int]
-) -> tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] | None:
+def _top_level_statements(path: str, stamp: tuple[int, int, int]) -> tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] | None:
     """The script's top-level statements as (first line, last line, the line spans of the body when the
     statement is an ``if __name__ == "__main__":``), parsed once per version of the file (``stamp``: its
     mtime, size and inode; every run from a script's main block asks again)."""
