@@ -289,7 +289,8 @@ class Session:
     # -- collectives ---------------------------------------------------------------------------------
     def arrive(self, group: Any, call: C.Call, fail: Fault | None = None) -> CollectiveWait:
         call.check_local()
-        call.strict_shapes = self.strict_shapes
+        if self.strict_shapes:  # the class default is False
+            call.strict_shapes = True
         seq = group.next_seq()
         key = (group.key, seq)
         mine = call.key()  # outside the lock

@@ -138,11 +138,13 @@ def _storage(t: torch.Tensor) -> int | None:
 def _outputs_apart(outs: Sequence[torch.Tensor], inps: Sequence[torch.Tensor]) -> bool:
     """Whether the outputs share storage with no other output and no input (then writing one output
     cannot change anything another rank's result is read from)."""
-    mine = [_storage(o) for o in outs]
-    if None in mine or len(set(mine)) != len(mine):
+    try:  # one storage pointer per tensor (sparse and other storage-less layouts raise: not apart)
+        mine = {o.untyped_storage().data_ptr() for o in outs}
+        if len(mine) != len(outs):
+            return False
+        return not any(i.untyped_storage().data_ptr() in mine for i in inps)
+    except (RuntimeError, NotImplementedError):
         return False
-    theirs = {_storage(i) for i in inps}
-    return None not in theirs and not theirs.intersection(mine)
 
 
 def _large(t: torch.Tensor) -> bool:
