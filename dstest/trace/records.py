@@ -94,8 +94,9 @@ def _site_text(site: tuple[str, int, str] | None) -> str:
     return f"{os.path.basename(site[0])}:{site[1]} ({site[2]})"
 
 
-def _now() -> int:
-    return time.perf_counter_ns()
+#: The clock of every record (ns; the system-wide monotonic clock on Linux and macOS); bound directly,
+#: not wrapped, as it is read four times per collective per rank.
+_now = time.perf_counter_ns
 
 
 class CallRecord:

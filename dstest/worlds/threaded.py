@@ -99,6 +99,23 @@ def warm_thread_cap() -> int:
     return cap
 
 
+def _batch_scheduling() -> None:
+    """On a rank thread: ask Linux to schedule it as SCHED_BATCH (same priority, no wake-up preemption).
+
+    Rank threads hand the GIL to one another at every collective: the last rank to arrive wakes the others
+    and keeps running Python. Under the default policy a woken rank preempts it (or starts on an idle
+    core), finds the GIL held and sleeps again: a wasted switch per woken rank per collective, most of the
+    time of a small collective (measured in ``benchmarks/bench_threaded.py``). A SCHED_BATCH thread runs
+    when the GIL holder blocks instead. Nothing else changes (its nice value, its share of the CPU);
+    threads a rank starts inherit it. Elsewhere, or where the call is refused, a no-op.
+    """
+    setter, policy = getattr(os, "sched_setscheduler", None), getattr(os, "SCHED_BATCH", None)
+    if setter is None or policy is None:
+        return
+    with contextlib.suppress(OSError):
+        setter(0, policy, os.sched_param(0))  # pid 0: the calling thread
+
+
 # -- one rank thread --------------------------------------------------------------------------------
 def _is_consequence(session: Session, exc: BaseException) -> bool:
     """Whether a rank failed because its world was already aborted (not an error of its own)."""
@@ -276,6 +293,7 @@ class _WarmCrew:
             raise next(iter(self._phase.errors.values()))
 
     def _main(self, rank: int) -> None:
+        _batch_scheduling()
         try:
             with rank_process_group(self._c10d, self.session, rank, self.device, timedelta(days=1)):
                 self._defaults[rank] = dist.group.WORLD
@@ -500,6 +518,7 @@ class ThreadedWorld:
         ) as c10d_world:
 
             def rank_main(rank: int) -> None:
+                _batch_scheduling()
                 try:
                     with rank_process_group(c10d_world, session, rank, device, timedelta(seconds=timeout)):
                         paused.started()

@@ -108,7 +108,8 @@ def reduce_into(op: str, out: torch.Tensor, others: Sequence[torch.Tensor], coun
     (integer "avg"). The op must have passed :func:`check_reduce`."""
     step = _STEPS["sum" if op in ("avg", "premul_sum") else op]
     for t in others:
-        t = t.detach()
+        if t.requires_grad:  # only then is a detached alias any different
+            t = t.detach()
         step(out, t if t.shape == out.shape else t.reshape(out.shape))
     if op != "avg":
         return out
@@ -128,9 +129,16 @@ def reduce_tensors(op: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 IN_PLACE_BYTES = 1 << 16
 
 
+def _storage_ptr(t: torch.Tensor) -> int:
+    """Where ``t``'s storage starts: tensors share a storage exactly when this is equal (a zero-size storage
+    may be 0 for several: they count as shared, the safe answer). Read without building the storage object
+    ``untyped_storage()`` makes, which costs more than the rest of a small collective's checks."""
+    return int(t.data_ptr() - t.storage_offset() * t.element_size())
+
+
 def _storage(t: torch.Tensor) -> int | None:
     try:
-        return int(t.untyped_storage().data_ptr())
+        return _storage_ptr(t)
     except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
         return None
 
@@ -139,10 +147,10 @@ def _outputs_apart(outs: Sequence[torch.Tensor], inps: Sequence[torch.Tensor]) -
     """Whether the outputs share storage with no other output and no input (then writing one output
     cannot change anything another rank's result is read from)."""
     try:  # one storage pointer per tensor (sparse and other storage-less layouts raise: not apart)
-        mine = {o.untyped_storage().data_ptr() for o in outs}
+        mine = {_storage_ptr(o) for o in outs}
         if len(mine) != len(outs):
             return False
-        return not any(i.untyped_storage().data_ptr() in mine for i in inps)
+        return not any(_storage_ptr(i) in mine for i in inps)
     except (RuntimeError, NotImplementedError):
         return False
 

@@ -124,6 +124,8 @@ def reduce_op_name(op: Any) -> str:
     """'sum', 'avg', ... for a ReduceOp or RedOpType (options carry one or the other across versions);
     ``premul_sum`` comes with its factor (:class:`dstest.worlds._collectives.PremulSum`), read from the
     op's pickled state ``(RedOpType.PREMUL_SUM, factor)`` (torch keeps it in a C++ supplement)."""
+    if op == dist.ReduceOp.SUM:  # the common case: one comparison in C++
+        return "sum"
     if not _BY_TYPE:
         for name, short in _REDUCE_OP_NAMES.items():
             member = getattr(dist.ReduceOp, name, None)
