@@ -25,6 +25,7 @@ __all__ = [
     "copy_flat",
     "copy_tensors",
     "describe_tensor",
+    "flat_view",
     "reduce_into",
     "reduce_tensors",
 ]
@@ -121,7 +122,13 @@ def reduce_into(op: str, out: torch.Tensor, others: Sequence[torch.Tensor], coun
 def reduce_tensors(op: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Reduce same-shaped tensors, in rank order, with a c10d reduce op name ('sum', 'avg', 'min', ...)."""
     check_reduce(op, tensors[0].dtype)
-    return reduce_into(op, tensors[0].detach().clone(), tensors[1:], len(tensors))
+    first = tensors[0]
+    return reduce_into(op, (first.detach() if first.requires_grad else first).clone(), tensors[1:], len(tensors))
+
+
+def flat_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a flat buffer (itself when it is one already: one op less per rank in a small collective)."""
+    return t if t.dim() == 1 else t.reshape(-1)
 
 
 #: Messages from this size up are read in place (no staging copy) where no output aliases an input;
