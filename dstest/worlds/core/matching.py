@@ -210,7 +210,10 @@ class Transfers:
 
     def match(self, key: Hashable, kind: str, side: Any) -> Any:
         """The oldest waiting opposite side of ``key`` (taken out), or None after queueing ``side``."""
-        sends, recvs = self.queues.setdefault(key, (deque(), deque()))
+        pair = self.queues.get(key)
+        if pair is None:  # two deques made only for a new key, not on every post
+            pair = self.queues[key] = (deque(), deque())
+        sends, recvs = pair
         mine, theirs = (sends, recvs) if kind == "send" else (recvs, sends)
         if not theirs:
             mine.append(side)
