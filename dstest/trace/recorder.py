@@ -69,7 +69,7 @@ class Recorder:
         rec.reduce_op = call.reduce_op
         rec.root = call.root
         rec.site = call_site(3)
-        self.log(rank).add(rec)
+        (self.logs.get(rank) or self.log(rank)).add(rec)
         return rec
 
     def p2p(self, group: Any, kind: str, tensor: Any, peer: int, tag: int, rank: int) -> CallRecord:

@@ -284,8 +284,9 @@ class Group(dist.ProcessGroup):
         another rank's thread acts for that rank where it has the same group; otherwise the call is wrong
         in any world, and raises here, before anything is posted.
         """
-        caller = calling_rank()
-        current = getattr(binding, "session", None)
+        bound = binding.__dict__  # this thread's binding (one lookup for both names)
+        caller = bound.get("rank")
+        current = bound.get("session")
         if caller is not None and current is not None and current is not self.session:
             return self._from_earlier_world(current, caller)
         if caller is None or caller == self.owner:

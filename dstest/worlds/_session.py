@@ -114,7 +114,13 @@ class Waitable:
 
 class CollectiveWait(Waitable):
     def __init__(self, session: Session, global_rank: int, call: C.Call, exchange: Exchange) -> None:
-        super().__init__(session, global_rank)
+        # Waitable.__init__'s fields set here directly: one of these is made per rank per collective.
+        self.session = session
+        self.global_rank = global_rank
+        self.done = False
+        self.error = None
+        self.futures = None
+        self._waiter = None
         self.call = call
         self.exchange = exchange
 
@@ -289,7 +295,8 @@ class Session:
     # -- collectives ---------------------------------------------------------------------------------
     def arrive(self, group: Any, call: C.Call, fail: Fault | None = None) -> CollectiveWait:
         call.check_local()
-        call.strict_shapes = self.strict_shapes
+        if self.strict_shapes:  # the class default is False
+            call.strict_shapes = True
         seq = group.next_seq()
         key = (group.key, seq)
         mine = call.key()  # outside the lock
@@ -405,7 +412,8 @@ class Session:
         if record is not None:
             record.waiting(self.recorder.logs.get(rank))
         with self.lock:
-            self.consume(waitable)
+            if 0 <= rank < self.world_size:  # consume(waitable), inline: once per call
+                self.ranks[rank].open.pop(id(waitable), None)
             if not waitable.done:
                 self._check_alive(rank)
                 # Sleep on a lock of its own: complete() releases it (and drops the pending entry) under

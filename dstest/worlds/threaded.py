@@ -63,11 +63,17 @@ class _CollectorPaused:
     Starting N ranks allocates O(N) objects in a process that already holds torch's; the collector's
     full passes then grow with N too, so a start of thousands of ranks spent most of its time in them
     (measured in ``benchmarks/bench_threaded.py``). Nothing is leaked: collection is only deferred.
+
+    ``settle``: a warm crew's start ends with one full collection. What the start allocated makes the
+    process's next full pass due (60 ms with torch loaded); without it, that pass lands in the crew's first
+    run, inside the calls it times (measured: 0.28 ms instead of 0.08 ms per 1 KiB all_reduce over a first
+    run of 300 calls at W=4).
     """
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, settle: bool = False) -> None:
         self._lock = threading.Lock()
         self._left = world_size
+        self._settle = settle
         self._was_enabled = gc.isenabled()
         if self._was_enabled:
             gc.disable()
@@ -82,6 +88,8 @@ class _CollectorPaused:
         if self._was_enabled:
             self._was_enabled = False
             gc.enable()
+            if self._settle:
+                gc.collect()
 
 
 def warm_thread_cap() -> int:
@@ -97,6 +105,23 @@ def warm_thread_cap() -> int:
     if cap < 0:
         raise InvalidArgument(f"DSTEST_WARM_THREADS={raw!r} must be an int >= 0 (0: no warm crews)")
     return cap
+
+
+def _batch_scheduling() -> None:
+    """On a rank thread: ask Linux to schedule it as SCHED_BATCH (same priority, no wake-up preemption).
+
+    Rank threads hand the GIL to one another at every collective: the last rank to arrive wakes the others
+    and keeps running Python. Under the default policy a woken rank preempts it (or starts on an idle
+    core), finds the GIL held and sleeps again: a wasted switch per woken rank per collective, most of the
+    time of a small collective (measured in ``benchmarks/bench_threaded.py``). A SCHED_BATCH thread runs
+    when the GIL holder blocks instead. Nothing else changes (its nice value, its share of the CPU);
+    threads a rank starts inherit it. Elsewhere, or where the call is refused, a no-op.
+    """
+    setter, policy = getattr(os, "sched_setscheduler", None), getattr(os, "SCHED_BATCH", None)
+    if setter is None or policy is None:
+        return
+    with contextlib.suppress(OSError):
+        setter(0, policy, os.sched_param(0))  # pid 0: the calling thread
 
 
 # -- one rank thread --------------------------------------------------------------------------------
@@ -264,7 +289,7 @@ class _WarmCrew:
             threading.Thread(target=self._main, args=(r,), name=f"{_WARM_PREFIX}{crew}-rank{r}", daemon=True)
             for r in range(world_size)
         ]
-        paused = _CollectorPaused(world_size)
+        paused = _CollectorPaused(world_size, settle=True)
         try:
             for t in self.threads:
                 t.start()
@@ -276,6 +301,7 @@ class _WarmCrew:
             raise next(iter(self._phase.errors.values()))
 
     def _main(self, rank: int) -> None:
+        _batch_scheduling()
         try:
             with rank_process_group(self._c10d, self.session, rank, self.device, timedelta(days=1)):
                 self._defaults[rank] = dist.group.WORLD
@@ -500,6 +526,7 @@ class ThreadedWorld:
         ) as c10d_world:
 
             def rank_main(rank: int) -> None:
+                _batch_scheduling()
                 try:
                     with rank_process_group(c10d_world, session, rank, device, timedelta(seconds=timeout)):
                         paused.started()

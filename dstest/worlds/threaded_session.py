@@ -163,13 +163,16 @@ class ThreadedSession(Session):
     # A rank gives the RNG up as it enters any collective, transfer or wait: every rank has then drawn
     # what it drew between its seed and this point, in one piece.
     def arrive(self, group: Any, call: Any, fail: Any = None) -> Any:
-        self.release_rng(group.owner)
+        if self._rng_owner is not None:
+            self.release_rng(group.owner)
         return super().arrive(group, call, fail)
 
     def post_p2p(self, group: Any, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        self.release_rng(group.owner)
+        if self._rng_owner is not None:
+            self.release_rng(group.owner)
         return super().post_p2p(group, kind, tensor, peer, tag)
 
     def wait(self, waitable: Any) -> None:
-        self.release_rng(waitable.global_rank)
+        if self._rng_owner is not None:
+            self.release_rng(waitable.global_rank)
         super().wait(waitable)

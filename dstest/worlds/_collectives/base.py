@@ -25,6 +25,7 @@ __all__ = [
     "copy_flat",
     "copy_tensors",
     "describe_tensor",
+    "flat_view",
     "reduce_into",
     "reduce_tensors",
 ]
@@ -108,7 +109,8 @@ def reduce_into(op: str, out: torch.Tensor, others: Sequence[torch.Tensor], coun
     (integer "avg"). The op must have passed :func:`check_reduce`."""
     step = _STEPS["sum" if op in ("avg", "premul_sum") else op]
     for t in others:
-        t = t.detach()
+        if t.requires_grad:  # only then is a detached alias any different
+            t = t.detach()
         step(out, t if t.shape == out.shape else t.reshape(out.shape))
     if op != "avg":
         return out
@@ -120,7 +122,13 @@ def reduce_into(op: str, out: torch.Tensor, others: Sequence[torch.Tensor], coun
 def reduce_tensors(op: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Reduce same-shaped tensors, in rank order, with a c10d reduce op name ('sum', 'avg', 'min', ...)."""
     check_reduce(op, tensors[0].dtype)
-    return reduce_into(op, tensors[0].detach().clone(), tensors[1:], len(tensors))
+    first = tensors[0]
+    return reduce_into(op, (first.detach() if first.requires_grad else first).clone(), tensors[1:], len(tensors))
+
+
+def flat_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a flat buffer (itself when it is one already: one op less per rank in a small collective)."""
+    return t if t.dim() == 1 else t.reshape(-1)
 
 
 #: Messages from this size up are read in place (no staging copy) where no output aliases an input;
@@ -128,9 +136,16 @@ def reduce_tensors(op: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 IN_PLACE_BYTES = 1 << 16
 
 
+def _storage_ptr(t: torch.Tensor) -> int:
+    """Where ``t``'s storage starts: tensors share a storage exactly when this is equal (a zero-size storage
+    may be 0 for several: they count as shared, the safe answer). Read without building the storage object
+    ``untyped_storage()`` makes, which costs more than the rest of a small collective's checks."""
+    return int(t.data_ptr() - t.storage_offset() * t.element_size())
+
+
 def _storage(t: torch.Tensor) -> int | None:
     try:
-        return int(t.untyped_storage().data_ptr())
+        return _storage_ptr(t)
     except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
         return None
 
@@ -138,11 +153,13 @@ def _storage(t: torch.Tensor) -> int | None:
 def _outputs_apart(outs: Sequence[torch.Tensor], inps: Sequence[torch.Tensor]) -> bool:
     """Whether the outputs share storage with no other output and no input (then writing one output
     cannot change anything another rank's result is read from)."""
-    mine = [_storage(o) for o in outs]
-    if None in mine or len(set(mine)) != len(mine):
+    try:  # one storage pointer per tensor (sparse and other storage-less layouts raise: not apart)
+        mine = {_storage_ptr(o) for o in outs}
+        if len(mine) != len(outs):
+            return False
+        return not any(_storage_ptr(i) in mine for i in inps)
+    except (RuntimeError, NotImplementedError):
         return False
-    theirs = {_storage(i) for i in inps}
-    return None not in theirs and not theirs.intersection(mine)
 
 
 def _large(t: torch.Tensor) -> bool:

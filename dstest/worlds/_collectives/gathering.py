@@ -23,6 +23,7 @@ from dstest.worlds._collectives.base import (
     copy_flat,
     copy_tensors,
     describe_tensor,
+    flat_view,
 )
 from dstest.worlds.core.matching import signature as _sig
 
@@ -88,11 +89,11 @@ class AllGatherIntoTensor(_SingleTensorCall):
         self._check_scaled("output", self.out, "input", self.inp)
 
     def combine(self, calls: Sequence[Call]) -> list[Any]:
-        flat = torch.cat([c.inp.detach().reshape(-1) for c in calls])  # type: ignore[attr-defined]
+        flat = torch.cat([flat_view(c.inp) for c in calls])  # type: ignore[attr-defined]  # (grad is off here)
         return [flat] * len(calls)
 
     def finish(self, source: Any) -> None:
-        self.out.copy_(source.view(self.out.shape))
+        copy_flat(self.out, source)
 
     def deliver(self, calls: Sequence[Call]) -> dict[int, BaseException]:
         outs: list[torch.Tensor] = [c.out for c in calls]  # type: ignore[attr-defined]

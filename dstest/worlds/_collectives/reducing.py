@@ -24,6 +24,7 @@ from dstest.worlds._collectives.base import (
     check_reduce,
     copy_flat,
     describe_tensor,
+    flat_view,
     reduce_into,
     reduce_tensors,
 )
@@ -196,11 +197,11 @@ class ReduceScatterTensor(_SingleTensorCall):
     def combine(self, calls: Sequence[Call]) -> list[Any]:
         assert self.reduce_op is not None
         n = self.out.numel()
-        flat = reduce_tensors(self.reduce_op, [_premul(c.reduce_op, c.inp.reshape(-1)) for c in calls])  # type: ignore[attr-defined]
+        flat = reduce_tensors(self.reduce_op, [_premul(c.reduce_op, flat_view(c.inp)) for c in calls])  # type: ignore[attr-defined]
         return [flat[j * n : (j + 1) * n] for j in range(len(calls))]
 
     def finish(self, source: Any) -> None:
-        self.out.copy_(source.view(self.out.shape))
+        copy_flat(self.out, source)
 
     def deliver(self, calls: Sequence[Call]) -> dict[int, BaseException]:
         outs: list[torch.Tensor] = [c.out for c in calls]  # type: ignore[attr-defined]

@@ -182,7 +182,11 @@ def bind(method: Method, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> di
 
 
 def _make(method: Method) -> Callable[..., Any]:
+    params, count = method.params, len(method.params)
+
     def c10d_method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs and len(args) == count:  # how torch calls them: every argument, by position
+            return self._c10d(method, dict(zip(params, args)))
         return self._c10d(method, bind(method, args, kwargs))
 
     c10d_method.__name__ = c10d_method.__qualname__ = method.name

@@ -57,7 +57,10 @@ def describe_tensor(t: Any) -> str:
 def signature(t: Any, strict: bool = True) -> tuple[Any, ...]:
     """What two ranks' buffers must share: dtype, device type and the shape (``strict``) or only the
     element count (what gloo and NCCL compare: both move flat buffers)."""
-    return (t.dtype, tuple(t.shape) if strict else t.numel(), t.device.type)
+    # ``is_cpu`` first: a tensor's ``device`` is a new object on every read, the costliest part of this
+    # tuple (one per buffer per collective); metadata of the process world may have no ``is_cpu``.
+    device = "cpu" if getattr(t, "is_cpu", False) else t.device.type
+    return (t.dtype, tuple(t.shape) if strict else t.numel(), device)
 
 
 def same_buffer(a: Any, b: Any, strict: bool) -> bool:
@@ -207,7 +210,10 @@ class Transfers:
 
     def match(self, key: Hashable, kind: str, side: Any) -> Any:
         """The oldest waiting opposite side of ``key`` (taken out), or None after queueing ``side``."""
-        sends, recvs = self.queues.setdefault(key, (deque(), deque()))
+        pair = self.queues.get(key)
+        if pair is None:  # two deques made only for a new key, not on every post
+            pair = self.queues[key] = (deque(), deque())
+        sends, recvs = pair
         mine, theirs = (sends, recvs) if kind == "send" else (recvs, sends)
         if not theirs:
             mine.append(side)

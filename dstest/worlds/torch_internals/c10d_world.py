@@ -178,12 +178,16 @@ def unisolated_world_fields() -> list[str]:
     ]
 
 
+class _Slot(threading.local):
+    state: Any = None  # the rank thread's RankState; None on other threads
+
+
 class ThreadLocalWorld:
     """Stands in for ``distributed_c10d._world``: rank threads see their own state, others the original."""
 
     def __init__(self, original: Any) -> None:
         self._original = original
-        self._local = threading.local()
+        self._local = _Slot()
 
     def bind(self) -> RankState:
         """Give the calling (rank) thread its own c10d state and keep its backward on this thread.
@@ -200,22 +204,28 @@ class ThreadLocalWorld:
     def adopt(self, state: RankState | None) -> None:
         """Make the calling (helper) thread share a rank's state, or drop it (None)."""
         if state is None:
-            self._local.__dict__.pop("state", None)
+            self._local.state = None
         else:
             torch.autograd.set_multithreading_enabled(False)
             self._local.state = state
 
     def current(self) -> RankState | None:
-        return getattr(self._local, "state", None)
+        return self._local.state
 
     def unbind(self) -> None:
-        self._local.__dict__.pop("state", None)
+        self._local.state = None
 
     def _target(self) -> Any:
-        return getattr(self._local, "state", None) or self._original
+        return self._local.state or self._original
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._target(), name)
+        return getattr(self._local.state or self._original, name)
+
+    # torch reads the default group on every collective (``GroupMember.WORLD``, ``is_initialized``): a
+    # property here skips the failed lookup that precedes ``__getattr__``; setting goes through ``__setattr__``.
+    @property
+    def default_pg(self) -> Any:
+        return (self._local.state or self._original).default_pg
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in ("_original", "_local"):

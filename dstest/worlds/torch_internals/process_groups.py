@@ -115,10 +115,28 @@ _REDUCE_OP_NAMES = {
 }
 
 
+#: RedOpType member -> name, filled on first use: options carry a ReduceOp whose ``op`` is one of these, and
+#: a dict lookup on it costs less than comparing it against every member (one per collective).
+_BY_TYPE: dict[Any, str] = {}
+
+
 def reduce_op_name(op: Any) -> str:
     """'sum', 'avg', ... for a ReduceOp or RedOpType (options carry one or the other across versions);
     ``premul_sum`` comes with its factor (:class:`dstest.worlds._collectives.PremulSum`), read from the
     op's pickled state ``(RedOpType.PREMUL_SUM, factor)`` (torch keeps it in a C++ supplement)."""
+    if op == dist.ReduceOp.SUM:  # the common case: one comparison in C++
+        return "sum"
+    if not _BY_TYPE:
+        for name, short in _REDUCE_OP_NAMES.items():
+            member = getattr(dist.ReduceOp, name, None)
+            if member is not None and short != "premul_sum":
+                _BY_TYPE[member] = short
+    try:
+        known = _BY_TYPE.get(getattr(op, "op", op))
+    except TypeError:  # not hashable: an op of some other kind, answered below
+        known = None
+    if known is not None:
+        return known
     premul = getattr(dist.ReduceOp, "PREMUL_SUM", None)
     if premul is not None and getattr(op, "op", None) == premul:
         from dstest.worlds._collectives import PremulSum
