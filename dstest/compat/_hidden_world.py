@@ -28,8 +28,12 @@ def world_hidden(*, drop_dist_env: bool, replace_after: str | None, checked: boo
     torch-internal: ``distributed_c10d._world`` is swapped for a world state of its own (uninitialised,
     group names counted from 0; torch's ``_World`` keeps its tables in module globals, so a second
     ``_World()`` would share them) and the worker's default group is taken out of torch's by-name registry,
-    so the test's ``init_process_group`` registers its own. Afterwards everything the test formed is
-    destroyed and the worker's world, its registration and its global rank are put back.
+    so the test's ``init_process_group`` registers its own. Afterwards the worker's world, its registration
+    and its global rank are put back, and what the test formed and did not destroy itself (a test that
+    skipped or failed after forming its world) is set aside, out of torch's registry, and destroyed when
+    the next run begins in this worker: only then have all the ranks of the test left it. Destroying it at
+    once would close this rank's connections while a peer may still be connecting to them (gloo's
+    ``connectFullMesh`` then fails on the peer: a skip read as a failure).
 
     ``drop_dist_env``: the block also sees none of :data:`DIST_ENV` (put back by dstest's reset of the
     environment before the next run). ``replace_after``: when given, the reason this worker is replaced
@@ -46,6 +50,7 @@ def world_hidden(*, drop_dist_env: bool, replace_after: str | None, checked: boo
     from dstest.worlds.torch_internals import new_rank_state
 
     registry: Any = torch._C._distributed_c10d
+    _SET_ASIDE.clear()  # every rank of the run that formed them has left it
     saved = c10d._world
     tables = _module_tables(c10d)
     default = c10d._get_default_group()
@@ -69,13 +74,19 @@ def world_hidden(*, drop_dist_env: bool, replace_after: str | None, checked: boo
             replace_after_this_run(replace_after)
         try:
             if dist.is_initialized():
-                dist.destroy_process_group()
+                formed = c10d._world
+                for group_name in list(formed.pg_names.values()):
+                    registry._unregister_process_group(group_name)
+                _SET_ASIDE.append(formed)
         finally:
             c10d._world = saved
             _put_back(c10d, tables)
             c10d._update_default_pg(default)
             registry._register_process_group(name, default)
 
+
+#: The world states tests formed and left, kept alive until the next run begins in this worker.
+_SET_ASIDE: list[Any] = []
 
 #: Module globals of ``distributed_c10d`` that ``init_process_group`` writes besides the world state (by
 #: torch version; a name this torch lacks is skipped).
