@@ -348,15 +348,30 @@ def test_a_test_marked_for_a_fresh_process_runs_on_the_bases_own_processes(pytes
                 def test_fresh(self):
                     dist.init_process_group("gloo", init_method=f"file://{self.file_name}", rank=self.rank, world_size=2)
                     dist.barrier()
+
+            class OwnJoin(MultiProcessTestCase):
+                world_size = 2
+
+                def setUp(self):
+                    super().setUp()
+                    self._spawn_processes()
+
+                def _join_processes(self, fn):
+                    super()._join_processes(fn)
+
+                def test_own_join(self):
+                    dist.init_process_group("gloo", init_method=f"file://{self.file_name}", rank=self.rank, world_size=2)
+                    dist.barrier()
             """
         )
     )
     result, verdicts = _run(pytester)
-    assert verdicts == {"test_fresh": "passed"}, result.stdout.str()[-4000:]
+    assert verdicts == {"test_fresh": "passed", "test_own_join": "passed"}, result.stdout.str()[-4000:]
     result.stdout.fnmatch_lines(
         [
-            "*0 process-based tests ran on warm workers*1 on their base's own processes*",
+            "*0 process-based tests ran on warm workers*2 on their base's own processes*",
             "*own processes: test_fresh.py::Fresh::test_fresh: it checks its own pid is new*",
+            "*own processes: test_fresh.py::OwnJoin::test_own_join: OwnJoin._join_processes is the class's own*",
         ]
     )
 

@@ -95,6 +95,19 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         mark = item.get_closest_marker(FRESH_MARK)
         if mark is not None:
             state.marked_fresh[test_id] = str(mark.args[0]) if mark.args else f"marked {FRESH_MARK}"
+        elif issubclass(cls, bases.MultiProcessTestCase):
+            own = _overridden(cls, bases.MultiProcessTestCase, ("_start_processes", "_join_processes"))
+            if own is not None:  # its own start or join would wait on processes the plugin never starts
+                state.marked_fresh[test_id] = f"{own} is the class's own: it runs on its own processes"
+
+
+def _overridden(cls: type, base: type, names: tuple[str, ...]) -> str | None:
+    """``Class.method`` for the first of ``names`` a class between ``cls`` and ``base`` defines, or None."""
+    for klass in cls.__mro__[: cls.__mro__.index(base)]:
+        for name in names:
+            if name in vars(klass):
+                return f"{klass.__qualname__}.{name}"
+    return None
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
