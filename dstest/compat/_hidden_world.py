@@ -31,9 +31,11 @@ def world_hidden(*, drop_dist_env: bool, replace_after: str | None, checked: boo
     so the test's ``init_process_group`` registers its own. Afterwards the worker's world, its registration
     and its global rank are put back, and what the test formed and did not destroy itself (a test that
     skipped or failed after forming its world) is set aside, out of torch's registry, and destroyed when
-    the next run begins in this worker: only then have all the ranks of the test left it. Destroying it at
-    once would close this rank's connections while a peer may still be connecting to them (gloo's
-    ``connectFullMesh`` then fails on the peer: a skip read as a failure).
+    the next run begins in this worker: only then have all the ranks of the test left it. The test's own
+    ``destroy_process_group()`` of its whole world does the same in the block (a later
+    ``init_process_group`` forms a new one). Destroying at once would close this rank's connections while a
+    peer may still be connecting to them (gloo's ``connectFullMesh`` then fails on the peer: a skip, or a
+    test without collectives, read as a peer's failure).
 
     ``drop_dist_env``: the block also sees none of :data:`DIST_ENV` (put back by dstest's reset of the
     environment before the next run). ``replace_after``: when given, the reason this worker is replaced
@@ -64,20 +66,29 @@ def world_hidden(*, drop_dist_env: bool, replace_after: str | None, checked: boo
     helper = c10d._new_process_group_helper
     if not checked and hasattr(helper, "unchecked"):
         c10d._new_process_group_helper = helper.unchecked
+    destroy = c10d.destroy_process_group
+
+    def destroy_process_group(group: Any = None) -> None:
+        if dist.is_initialized() and (group is None or group is c10d._world.default_pg):
+            _set_aside(c10d, registry, new_rank_state)
+        else:
+            destroy(group)
+
+    c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group
     try:
         yield
     finally:
         c10d._new_process_group_helper = helper
+        c10d.destroy_process_group = destroy
+        dist.destroy_process_group = destroy
         if replace_after is not None:
             from dstest.worlds.process.byref import replace_after_this_run
 
             replace_after_this_run(replace_after)
         try:
             if dist.is_initialized():
-                formed = c10d._world
-                for group_name in list(formed.pg_names.values()):
-                    registry._unregister_process_group(group_name)
-                _SET_ASIDE.append(formed)
+                _set_aside(c10d, registry, new_rank_state)
         finally:
             c10d._world = saved
             _put_back(c10d, tables)
@@ -87,6 +98,16 @@ def world_hidden(*, drop_dist_env: bool, replace_after: str | None, checked: boo
 
 #: The world states tests formed and left, kept alive until the next run begins in this worker.
 _SET_ASIDE: list[Any] = []
+
+def _set_aside(c10d: Any, registry: Any, new_rank_state: Any) -> None:
+    """The test's world out of torch's registry and out of sight, alive until the next run begins."""
+    formed = c10d._world
+    for group_name in list(formed.pg_names.values()):
+        registry._unregister_process_group(group_name)
+    _SET_ASIDE.append(formed)
+    c10d._world = new_rank_state()
+    c10d._update_default_pg(None)
+
 
 #: Module globals of ``distributed_c10d`` that ``init_process_group`` writes besides the world state (by
 #: torch version; a name this torch lacks is skipped).
