@@ -15,10 +15,10 @@ set. After each run it compares:
 
 A cache (a name containing "cache") and c10d's tables of groups (which the world manages itself) are put
 back without a report. Each other difference is reported as ``module.name`` with what was done, and the
-parent warns with :class:`dstest.errors.StateLeftBehind`, a finding about the code under test: it would have reached the next
-test. What is compared is bindings and the shallow contents of containers; an object changed through its
-own attributes (``obj.field = x`` on a module-level object) is not seen. Modules first imported during a
-run are watched from the end of that run on.
+parent warns with :class:`dstest.errors.StateLeftBehind`, a finding about the code under test: it would
+have reached the next test. What is compared is bindings and the shallow contents of containers; an object
+changed through its own attributes (``obj.field = x`` on a module-level object) is not seen. Modules first
+imported during a run are watched from the end of that run on.
 """
 
 from __future__ import annotations
