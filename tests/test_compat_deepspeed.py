@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from _junit import run_with_outcomes
 
 from dstest.worlds.process.byref import free_port as _free_port
 
@@ -132,17 +133,12 @@ def _suite(pytester: pytest.Pytester, tests: str, *, conftest_extra: str = "", *
 
 
 def _run(pytester: pytest.Pytester, *args: str, plugin: bool = True) -> tuple[pytest.RunResult, dict[str, str]]:
-    junit = pytester.path / "junit.xml"
     extra = ["-p", "dstest.compat.deepspeed"] if plugin else []
-    result = pytester.runpytest_subprocess(*extra, "-rsf", f"--junitxml={junit}", *args, timeout=600)
-    verdicts: dict[str, str] = {}
-    if junit.exists():
-        import xml.etree.ElementTree as ET
-
-        for case in ET.parse(junit).getroot().iter("testcase"):
-            kinds = {child.tag for child in case}
-            verdict = "failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds else "passed"
-            verdicts[case.get("name", "")] = verdict
+    result, outcomes = run_with_outcomes(pytester, *extra, "-rsf", *args)
+    verdicts = {
+        name: "failed" if {"failure", "error"} & set(kinds) else "skipped" if "skipped" in kinds else "passed"
+        for name, kinds in outcomes.items()
+    }
     return result, verdicts
 
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 import re
 import textwrap
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from _junit import run_with_outcomes
 
 pytest.importorskip("expecttest", reason="torch.testing._internal needs expecttest (pip install expecttest)")
 
@@ -219,16 +219,9 @@ class Skips(MultiProcContinuousTest):
 
 def _run(pytester: pytest.Pytester, *args: str, plugin: bool = True) -> tuple[pytest.RunResult, dict[str, str]]:
     """pytest in a subprocess; the verdict of every test from its JUnit XML."""
-    junit = pytester.path / "junit.xml"
     extra = ["-p", "dstest.compat.torch"] if plugin else []
-    result = pytester.runpytest_subprocess(
-        *extra, "-rsf", "-p", "no:cacheprovider", f"--junitxml={junit}", *args, timeout=600
-    )
-    verdicts = {}
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
-        verdicts[case.get("name", "")] = kinds[0] if kinds else "passed"
-    return result, verdicts
+    result, outcomes = run_with_outcomes(pytester, *extra, "-rsf", "-p", "no:cacheprovider", *args)
+    return result, {name: kinds[0] if kinds else "passed" for name, kinds in outcomes.items()}
 
 
 def _pids(directory: Path, test: str) -> set[str]:

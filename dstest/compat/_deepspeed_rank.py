@@ -93,10 +93,9 @@ def rank_main(ctx: Any, payload: bytes, ref: ModuleRef, path: list[str], port: i
     the test forms its own world."""
     from _pytest.outcomes import Skipped
 
-    from dstest.worlds.process.byref import import_module_ref
+    from dstest.worlds.process.byref import import_module_ref, put_path_first
 
-    known = set(path)
-    sys.path[:] = [*path, *(p for p in sys.path if p not in known)]
+    put_path_first(path)
     _remember_cpu_info()
     import_module_ref(ref)
     _fresh_process_rng()

@@ -202,16 +202,9 @@ def run_continuous(
     env: dict[str, str],
 ) -> tuple[str, str]:
     """One rank of one test of a continuous class: ``("ok", test_id)`` or ``("skip", why)``; an error raises."""
-    from dstest.worlds.process.byref import import_module_ref
+    from dstest.compat._torch_rank import class_as_spawned
 
-    known = set(path)
-    sys.path[:] = [*path, *(p for p in sys.path if p not in known)]
-    os.environ.clear()  # what the spawned process would have inherited; dstest's reset puts the worker's back
-    os.environ.update(env)
-    os.chdir(cwd)
-    owner: Any = import_module_ref(module)
-    for part in qualname.split("."):
-        owner = getattr(owner, part)
+    owner = class_as_spawned(module, qualname, path, cwd, env)
     owner.rank, owner.world_size = ctx.rank, world_size
     with world_hidden(drop_dist_env=False, replace_after=None, checked=False):
         try:

@@ -20,7 +20,7 @@ from dstest.compat._hidden_world import world_hidden
 if TYPE_CHECKING:
     from dstest.worlds.process.byref import ModuleRef
 
-__all__ = ["Plan", "TestError", "plan_of", "run_planned"]
+__all__ = ["Plan", "TestError", "class_as_spawned", "plan_of", "run_planned"]
 
 
 class TestError(Exception):
@@ -86,22 +86,28 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
+def class_as_spawned(module: ModuleRef, qualname: str, path: list[str], cwd: str, env: dict[str, str]) -> Any:
+    """On a rank: this worker made to look like the process a base would have spawned (the pytest process's
+    ``sys.path`` first, its working directory, exactly the environment the process would have inherited;
+    dstest's reset puts the worker's back), and the test class ``qualname`` of ``module`` imported there."""
+    from dstest.worlds.process.byref import import_module_ref, put_path_first
+
+    put_path_first(path)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    owner: Any = import_module_ref(module)
+    for part in qualname.split("."):
+        owner = getattr(owner, part)
+    return owner
+
+
 def run_planned(ctx: Any, plans: list[Plan], path: list[str], cwd: str) -> int:
     """One rank: the base's entry point as ``plans[ctx.rank]`` records it; its exit code."""
     import multiprocessing
 
-    from dstest.worlds.process.byref import import_module_ref
-
     plan = plans[ctx.rank]
-    known = set(path)
-    sys.path[:] = [*path, *(p for p in sys.path if p not in known)]
-    os.environ.clear()  # what the base's process would have inherited; dstest's reset puts the worker's back
-    os.environ.update(plan.env)
-    os.chdir(cwd)
-    module = import_module_ref(plan.module)
-    owner: Any = module
-    for part in plan.cls.split("."):
-        owner = getattr(owner, part)
+    owner = class_as_spawned(plan.module, plan.cls, path, cwd, plan.env)
     entry = getattr(owner, plan.method)
     ours, theirs = multiprocessing.Pipe()
     args = tuple(theirs if isinstance(a, _Pipe) else a for a in pickle.loads(plan.args))

@@ -6,7 +6,8 @@ name), so the plugin's own rank function must live at module level; what that fu
 *test's* code and run it as a fresh process of the other suite's harness would is here:
 
 - :func:`module_ref` names a module the way a worker imports it again (its name, its file, and whether
-  pytest rewrote its assertions), and :func:`import_module_ref` imports it on the rank.
+  pytest rewrote its assertions), and :func:`import_module_ref` imports it on the rank, after
+  :func:`put_path_first` has put the pytest process's ``sys.path`` in front of the worker's.
 - :func:`free_port` is a port for a rendezvous of the plugin's own (a ``MASTER_PORT`` the harness gives
   its ranks); :func:`pool_pids` says which workers a world size has now, to notice a replaced pool, and
   :func:`pool_token` whether a run ended with its pool killed or replaced.
@@ -23,6 +24,7 @@ These names are kept stable for plugins; the modules they come from (``launch``,
 from __future__ import annotations
 
 import os
+import sys
 from types import ModuleType
 
 from dstest.worlds.process.launch import _free_port, preload_in_fork_server, start_fork_server
@@ -36,6 +38,7 @@ __all__ = [
     "pool_pids",
     "pool_token",
     "preload_in_fork_server",
+    "put_path_first",
     "replace_after_this_run",
     "start_fork_server",
 ]
@@ -60,6 +63,13 @@ def import_module_ref(ref: ModuleRef) -> ModuleType:
 
     module: ModuleType = _import_module(ref)
     return module
+
+
+def put_path_first(path: list[str]) -> None:
+    """On a rank: ``path`` (the pytest process's ``sys.path``) in front of the worker's own entries, in its
+    order, each entry once."""
+    known = set(path)
+    sys.path[:] = [*path, *(p for p in sys.path if p not in known)]
 
 
 def free_port() -> int:
