@@ -242,6 +242,7 @@ def _codes_of_failure(exc: Any, world_size: int, error_code: int) -> tuple[list[
     error code and sent its traceback; a rank stopped because of it (or that failed in dstest's own code)
     never exited."""
     from dstest.compat._torch_rank import TestError
+    from dstest.errors import WorldAborted
 
     codes: list[int | None] = [None] * world_size
     errors: dict[int, str] = {}
@@ -250,7 +251,7 @@ def _codes_of_failure(exc: Any, world_size: int, error_code: int) -> tuple[list[
         if isinstance(raised, TestError):
             codes[rank] = error_code
             errors[rank] = raised.text
-        elif rank in exc.exceptions and not type(raised).__name__ == "WorldAborted":
+        elif rank in exc.exceptions and not isinstance(raised, WorldAborted):
             codes[rank] = error_code
             errors[rank] = text
     if not errors:
