@@ -303,12 +303,18 @@ def test_without_the_plugin_the_threaded_mismatch_is_not_caught_the_same_way(pyt
     assert "CollectiveMismatch" not in result.stdout.str()
 
 
-def test_continuous_bases_run_each_test_warm_with_upstreams_answers(pytester: pytest.Pytester) -> None:
+def test_continuous_bases_run_each_test_warm_with_upstreams_answers(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """MultiProcContinuousTest: a pass, a skip, a rank that raised (its peer, blocked in an all_reduce, is
     stopped with its stack, not left until the 300 s timeout) and upstream's "skip the rest of the class
-    after a failure"."""
+    after a failure". The classes' rendezvous files are gone afterwards."""
     pytester.makepyfile(test_continuous=textwrap.dedent(CONTINUOUS_SUITE))
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
     result, verdicts = _run(pytester)
+    assert sorted(p.name for p in temp.iterdir() if p.name.startswith("dstest-rdvz-")) == []
     assert verdicts == {
         "test_a_all_reduce": "passed",
         "test_b_rank_1_raises_before_its_collective": "failure",

@@ -20,9 +20,11 @@ earlier one left in it.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import unittest
+import weakref
 from typing import Any
 
 import pytest
@@ -63,10 +65,15 @@ class _ClassRun:
         self.pending: str | None = None
         self.answers: list[Any] = []
         self.files = tempfile.mkdtemp(prefix="dstest-rdvz-")
+        # the class's rendezvous files go when its ranks get upstream's poison pill (None), or at the latest
+        # when this run is collected or the process exits
+        self.remove_files = weakref.finalize(self, shutil.rmtree, self.files, True)
         self.count = 0
 
     def put(self, rank: int, test_id: str | None) -> None:
-        if test_id is not None and test_id != self.pending:
+        if test_id is None:
+            self.remove_files()
+        elif test_id != self.pending:
             self.pending, self.answers = test_id, []
 
     def answer(self, rank: int) -> Any:
