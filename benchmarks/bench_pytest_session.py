@@ -37,6 +37,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import dstest
+from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld
 from _torch_threaded import run_torch_threaded
 
@@ -76,7 +77,7 @@ def test_torch_{i}(ws):
 
 @pytest.mark.parametrize("ws", SIZES)
 def test_world_{i}(ws):
-    _WORLD.run(_body, ws)
+    _WORLD.run(RunRequest(_body, ws))
 '''
 
 
