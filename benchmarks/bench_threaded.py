@@ -21,6 +21,7 @@ running the same calls on the same data in the same process.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -404,6 +405,7 @@ def _rss_kib() -> int:
 
 def rss_per_warm_rank(ws: int) -> dict[str, Any]:
     shutdown_all()
+    gc.collect()  # what earlier crews left is freed before, not during, the measured start (it ends with a collection)
     before = _rss_kib()
     WORLD.run(RunRequest(_noop, ws))
     after = _rss_kib()

@@ -64,11 +64,15 @@ class _CollectorPaused:
     full passes then grow with N too, so a start of thousands of ranks spent most of its time in them
     (measured in ``benchmarks/bench_threaded.py``). Nothing is leaked: collection is only deferred.
 
-    ``settle``: a warm crew's start ends with one full collection. What the start allocated makes the
-    process's next full pass due (60 ms with torch loaded); without it, that pass lands in the crew's first
-    run, inside the calls it times (measured: 0.28 ms instead of 0.08 ms per 1 KiB all_reduce over a first
-    run of 300 calls at W=4).
+    ``settle``: the first warm crew's start in a process ends with one full collection. What the imports
+    and the start allocated make the process's next full pass due (60 ms with torch loaded); without it,
+    that pass lands in the crew's first run, inside the calls it times (measured: 0.28 ms instead of 0.08
+    ms per 1 KiB all_reduce over a first run of 300 calls at W=4). Only the first: a crew replaced after a
+    failed run paid it again each time, 70-200 ms added to reporting every failure
+    (``benchmarks/bench_detection.py``: a shape mismatch at W=2 took 80 ms instead of 7).
     """
+
+    settled = False  # the process's first settling collection is done
 
     def __init__(self, world_size: int, settle: bool = False) -> None:
         self._lock = threading.Lock()
@@ -88,7 +92,8 @@ class _CollectorPaused:
         if self._was_enabled:
             self._was_enabled = False
             gc.enable()
-            if self._settle:
+            if self._settle and not _CollectorPaused.settled:
+                _CollectorPaused.settled = True
                 gc.collect()
 
 
