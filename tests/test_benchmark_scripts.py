@@ -1,7 +1,8 @@
-"""The scripts of ``ci/bench`` keep running against the current API: the one that broke runs here once in
-its smallest setting and must exit 0 with its report. (``bench_pytest_session.py`` called ``ThreadedWorld.run`` with the
-signature it had before ``RunRequest``, and every one of its ``world`` tests failed; nothing but a full
-``bash ci/bench`` would have shown it.) What the figures are is the benchmarks' business, not asserted here.
+"""The scripts of ``ci/bench`` keep running against the current API: the one that broke runs here once
+in its smallest setting and must exit 0 with its report. (``bench_pytest_session.py`` called
+``ThreadedWorld.run`` with the signature it had before ``RunRequest``, and every one of its ``world`` tests
+failed; nothing but a full ``bash ci/bench`` would have shown it.) What the figures are is the benchmarks'
+business, not asserted here.
 """
 
 from __future__ import annotations
@@ -37,4 +38,3 @@ def test_pytest_session_benchmark_runs_every_kind_of_test(tmp_path: Path) -> Non
     (row,) = report["rows"]
     assert row["world_size"] == 2
     assert all(row[k] > 0 for k in ("dstest_s", "torch_s", "world_run_s", "pytest_plain_s"))
-
