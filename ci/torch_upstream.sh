@@ -19,8 +19,8 @@ if [ ${#paths[@]} -eq 0 ]; then
 fi
 python=${PYTHON:-python}
 here=$(cd "$(dirname "$0")" && pwd)
-for run in ${RUNS:-upstream plugin}; do
-  for p in "${paths[@]}"; do
+for p in "${paths[@]}"; do  # each path on both sides back to back, so that both see the same load
+  for run in ${RUNS:-upstream plugin}; do
     name=$(echo "$p" | tr '/.' '__')
     cd "$root/$(dirname "$p")"  # as torch's run_test.py does: each file from its own directory
     start=$(date +%s.%N)
