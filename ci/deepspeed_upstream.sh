@@ -21,8 +21,8 @@ python=${PYTHON:-python}
 here=$(cd "$(dirname "$0")" && pwd)
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu} DS_UNITTEST_TIMEOUT=${DS_UNITTEST_TIMEOUT:-300}
 cd "$checkout/tests"
-for run in ${RUNS:-harness plugin}; do
-  for p in "${paths[@]}"; do
+for p in "${paths[@]}"; do  # each path on both sides back to back, so that both see the same load
+  for run in ${RUNS:-harness plugin}; do
     name=$(echo "$p" | tr '/.' '__')
     start=$(date +%s.%N)
     if [ "$run" = harness ]; then

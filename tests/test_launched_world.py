@@ -43,7 +43,7 @@ def test_rank_one_fails(ctx):
     dist.all_reduce(t)
 
 
-@dstest.spec(world_size=[2], worlds=["launched"], timeout=15)
+@dstest.spec(world_size=[2], worlds=["launched"], timeout=30)
 def test_rank_one_hangs(ctx):
     if ctx.rank == 1:
         time.sleep(3600)
@@ -144,7 +144,7 @@ def test_launched_ranks_run_in_lockstep_and_rank_0_reports(tmp_path: Path, nproc
     # A rank hung in a spec: reported with its stack after the spec's timeout, and the session goes on.
     hang = cases["test_rank_one_hangs[launched-ws2]"].find("failure")
     assert hang is not None
-    assert "ran past its timeout of 15 s" in (hang.text or ""), hang.text  # room for the group to form under load
+    assert "ran past its timeout of 30 s" in (hang.text or ""), hang.text  # room for the group to form under load
     assert "time.sleep(3600)" in (hang.text or ""), hang.text
     assert cases["test_after_the_hang[launched-ws2]"].find("failure") is None
     # An ordinary test that fails on one rank only: rank 0 reports rank 1's failure and its output.
