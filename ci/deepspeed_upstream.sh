@@ -22,8 +22,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu} DS_UNITTEST_TIMEOUT=${DS_UNITTEST_TIMEOUT:-300}
 cd "$checkout/tests"
 for p in "${paths[@]}"; do  # each path on both sides back to back, so that both see the same load
+  name=$(echo "$p" | tr '/.' '__')
   for run in ${RUNS:-harness plugin}; do
-    name=$(echo "$p" | tr '/.' '__')
     start=$(date +%s.%N)
     if [ "$run" = harness ]; then
       LOCAL_SIZE=${LOCAL_SIZE:-4} "$python" -m pytest -p no:dstest -p no:cacheprovider -q --continue-on-collection-errors \

@@ -20,9 +20,9 @@ fi
 python=${PYTHON:-python}
 here=$(cd "$(dirname "$0")" && pwd)
 for p in "${paths[@]}"; do  # each path on both sides back to back, so that both see the same load
+  name=$(echo "$p" | tr '/.' '__')
+  cd "$root/$(dirname "$p")"  # as torch's run_test.py does: each file from its own directory
   for run in ${RUNS:-upstream plugin}; do
-    name=$(echo "$p" | tr '/.' '__')
-    cd "$root/$(dirname "$p")"  # as torch's run_test.py does: each file from its own directory
     start=$(date +%s.%N)
     if [ "$run" = upstream ]; then
       "$python" -m pytest -p no:dstest -p no:cacheprovider -q --continue-on-collection-errors \
