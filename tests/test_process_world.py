@@ -491,3 +491,40 @@ def test_watch_modules_is_checked_when_the_request_is_made():
     for world in ("threaded", "fake"):  # rank threads share one process's modules: nothing to compare with
         with pytest.raises(InvalidArgument, match=rf"watch_modules=\('mypkg',\): the {world} world does not watch"):
             dstest.get_world(world).run(RunRequest(_read_state, 2, watch_modules=("mypkg",)))
+
+
+def test_e4_fork_server_preloads_from_the_sessions_sys_path(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A package the conftest puts in front of an installed copy (DeepSpeed's conftest does so with its
+    checkout) is the copy the warm workers run, as in a fresh process with the session's sys.path; the fork
+    server imports its preloads with the session's path, not the interpreter's default one."""
+    for where in ("installed", "checkout"):
+        pkg = pytester.path / where / "probe_pkg"
+        pkg.mkdir(parents=True)
+        (pkg / "__init__.py").write_text(f"WHERE = {where!r}\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(pytester.path / "installed"), os.environ.get("PYTHONPATH", "")]))
+    pytester.makeconftest(
+        """
+import os, sys
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "checkout"))
+
+def pytest_configure(config):
+    from dstest.worlds.process.byref import preload_in_fork_server
+    preload_in_fork_server("probe_pkg")
+"""
+    )
+    pytester.makepyfile(
+        test_probe="""
+import dstest
+
+@dstest.spec(world_size=2, worlds=("process",))
+def test_workers_run_the_checkout(ctx):
+    import probe_pkg
+    assert probe_pkg.WHERE == "checkout", probe_pkg.__file__
+
+def test_this_process_runs_the_checkout():
+    import probe_pkg
+    assert probe_pkg.WHERE == "checkout"
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=120)
+    result.assert_outcomes(passed=2)

@@ -26,7 +26,8 @@ def _threads_per_rank(world_size: int) -> int | None:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-_PRELOAD = ["__main__", "torch", "torch.distributed", "dstest.context", "dstest.specification", "dstest.worlds.process"]
+#: The first, ``dstest._fork_server_path``, gives the server the starting process's ``sys.path``.
+_PRELOAD = ["dstest._fork_server_path", "__main__", "torch", "torch.distributed", "dstest.context", "dstest.specification", "dstest.worlds.process"]
 _CONTEXT: Any = None
 
 
@@ -79,9 +80,16 @@ def start_fork_server() -> bool:
     ctx = _mp_context()
     if ctx.get_start_method() != "forkserver":
         return False
+    import json
+    import sys
     from multiprocessing import forkserver
 
-    forkserver.ensure_running()
+    # The server imports its preloads with this process's sys.path (dstest._fork_server_path reads it).
+    os.environ["DSTEST_FORK_SERVER_SYS_PATH"] = json.dumps(sys.path)
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.pop("DSTEST_FORK_SERVER_SYS_PATH", None)
     return True
 
 

@@ -31,7 +31,7 @@ from dstest.errors import (
 from dstest.resets import registered as registered_resets
 from dstest.worlds._failures import format_stacks
 from dstest.worlds.core.faults import Killed
-from dstest.worlds.process.launch import _free_port, _mp_context, _threads_per_rank
+from dstest.worlds.process.launch import _free_port, _mp_context, _threads_per_rank, start_fork_server
 from dstest.worlds.process.messages import _STOP, _Command, _FnRef, _PoolKey, _Reply, _unpickle_exception, _WorkerConfig
 from dstest.worlds.process.referee import _Referee
 from dstest.worlds.process.worker import _worker_main
@@ -151,6 +151,7 @@ class _Pool:
                 )
             )
         self.started_at = time.monotonic()
+        start_fork_server()  # here, not on the launcher thread: it sets an environment variable for a moment
         # Launching blocks while a fresh fork server imports torch; do it off the caller's thread.
         self.launcher = threading.Thread(target=self._launch, args=(configs,), name="dstest-pool-launch", daemon=True)
         self.launcher.start()
