@@ -2,6 +2,9 @@
 
 The public names below load on first use (PEP 562), so that ``import dstest.pytest.plugin``, which pytest does
 in every project where dstest is installed, imports neither torch nor hypothesis.
+
+PYTEST_DONT_REWRITE: a warm server (``dstest.pytest.warm``) imports dstest before pytest starts in the
+session it forks; pytest would otherwise warn that it cannot rewrite the package's asserts there.
 """
 
 from __future__ import annotations

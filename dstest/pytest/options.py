@@ -25,6 +25,7 @@ OPT_TRACE = "--dstest-trace"
 OPT_FLIGHT_RECORDER = "--dstest-flight-recorder"
 OPT_ASYNC_HAZARDS = "--dstest-async-hazards"
 OPT_STRICT_SHAPES = "--dstest-strict-shapes"
+OPT_WARM = "--dstest-warm"
 INI_DESELECT_SOAK = "dstest_deselect_soak"
 
 
@@ -210,4 +211,12 @@ def _add_observation_options(group: Any) -> None:
         default=False,
         help="also refuse collectives and transfers whose ranks' buffers differ only in shape (by default, "
         "as on gloo and NCCL, element counts and dtypes must match)",
+    )
+    group.addoption(
+        OPT_WARM,
+        action="store_true",
+        default=False,
+        help="run in a session forked from a warm server that has already imported torch and what the "
+        "process world's workers need (started by the first such run; a changed source file makes the run "
+        "cold again); see dstest.pytest.warm",
     )

@@ -43,8 +43,9 @@ from dstest.pytest.options import (  # light: no torch import
 
 __all__ = ["pytest_addoption", "settings"]  # pytest_addoption: the options' hook, defined beside their parsers
 
-# --dstest-html (the conformance report of a pytest run as one HTML page) has its hooks in its own module.
-pytest_plugins = ["dstest.pytest.html"]
+# --dstest-html (the conformance report of a pytest run as one HTML page) and --dstest-warm (runs forked from
+# a server that has imported what they need) have their hooks in their own modules.
+pytest_plugins = ["dstest.pytest.html", "dstest.pytest.warm"]
 
 _MARKERS = {
     "cpu": "runs on CPU only (simulated worlds, gloo processes). Provided by dstest.",

@@ -13,6 +13,8 @@ name), so the plugin's own rank function must live at module level; what that fu
   :func:`pool_token` whether a run ended with its pool killed or replaced.
 - :func:`preload_in_fork_server` has every worker start with the suite's heavy imports done once, and
   :func:`start_fork_server` starts that server at once, so its imports overlap the plugin's collection;
+  :func:`fork_server_preload` lists what it imports, and :func:`fork_server_from_here` makes the server a
+  fork of a process that has imported it all already (a warm session, :mod:`dstest.pytest.warm`);
   :func:`replace_after_this_run`, called on a rank, gives the next run fresh processes.
 - a run itself is a :class:`~dstest.worlds.request.RunRequest` given to ``ProcessWorld().run``; its
   ``strict_shapes=True`` makes a shape-only difference between ranks a mismatch too.
@@ -27,11 +29,19 @@ import os
 import sys
 from types import ModuleType
 
-from dstest.worlds.process.launch import _free_port, preload_in_fork_server, start_fork_server
+from dstest.worlds.process.launch import (
+    _PRELOAD,
+    _free_port,
+    fork_server_from_here,
+    preload_in_fork_server,
+    start_fork_server,
+)
 from dstest.worlds.process.messages import _FnRef
 
 __all__ = [
     "ModuleRef",
+    "fork_server_from_here",
+    "fork_server_preload",
     "free_port",
     "import_module_ref",
     "module_ref",
@@ -46,6 +56,11 @@ __all__ = [
 #: How a worker finds a module (or a function in it): ``(module, qualname, path, rewrite_asserts)``, a
 #: picklable named tuple; a reference to a whole module has an empty ``qualname``.
 ModuleRef = _FnRef
+
+
+def fork_server_preload() -> list[str]:
+    """The modules the fork server imports (or imported, once started), in order."""
+    return list(_PRELOAD)
 
 
 def module_ref(module: ModuleType) -> ModuleRef:

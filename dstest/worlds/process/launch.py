@@ -114,3 +114,75 @@ def _stop_fork_server() -> None:
         os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(Exception):
         stop()  # closes its pipe, reaps it, removes its socket
+
+
+def fork_server_from_here(preload: list[str] | tuple[str, ...] = (), close_in_server: list[int] | None = None) -> bool:
+    """Make this process's fork server a fork of this process, made now.
+
+    For a process that has already imported what the workers need and has run nothing (a warm session's
+    process, forked from :mod:`dstest.pytest.warm`'s server before pytest starts): the server is ready at
+    once instead of importing torch for seconds. It imports those of ``preload`` (and of the modules given to
+    :func:`preload_in_fork_server`) that are not imported yet, as a started server does. Call it while this
+    process has one thread only. Returns False, changing nothing, where it cannot be done: no fork server
+    start method, a server already running, or a Python whose fork server keeps other state than the one
+    this function knows (its address, "alive" pipe and pid; an authentication key where the Python has one).
+    ``close_in_server``: file descriptors of this process the server (and so every worker) must not hold.
+    """
+    import inspect
+    import threading
+    from multiprocessing import connection, forkserver, resource_tracker, util
+
+    for name in preload:
+        if name not in _PRELOAD:
+            _PRELOAD.append(name)
+    ctx = _mp_context()
+    if ctx.get_start_method() != "forkserver" or threading.active_count() != 1:
+        return False
+    server = getattr(forkserver, "_forkserver", None)  # CPython's singleton; private, hence the care
+    fields = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
+    if server is None or not all(hasattr(server, f) for f in fields) or server._forkserver_pid is not None:
+        return False
+    params = inspect.signature(forkserver.main).parameters
+    keyed = hasattr(server, "_forkserver_authkey")
+    if keyed and "authkey_r" not in params:
+        return False
+    resource_tracker.ensure_running()
+    listener = socket.socket(socket.AF_UNIX)
+    address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+    listener.bind(address)
+    if not util.is_abstract_socket_namespace(address):
+        os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()
+    key_r, key_w = os.pipe() if keyed else (-1, -1)
+    authkey = os.urandom(32) if keyed else b""
+    modules = [m for m in _PRELOAD if m != "__main__"]
+    pid = os.fork()
+    if pid == 0:  # the fork server: serves until every holder of the "alive" pipe has gone
+        code = 0
+        try:
+            os.close(alive_w)
+            for fd in close_in_server or ():
+                os.close(fd)
+            extra: dict[str, Any] = {}
+            if keyed:
+                os.close(key_w)
+                extra["authkey_r"] = key_r
+            forkserver.main(listener.fileno(), alive_r, modules, **extra)
+        except SystemExit:
+            pass
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(alive_r)
+    listener.close()
+    if keyed:
+        os.close(key_r)
+        os.write(key_w, authkey)
+        os.close(key_w)
+        server._forkserver_authkey = authkey
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
+    return True

@@ -1,0 +1,140 @@
+"""``pytest --dstest-warm``: a later run is forked from a server that has imported what the session needs, with
+the verdicts of a cold run, and never with stale code (contract F3).
+
+Each test has its own server directory (``DSTEST_WARM_DIR``) and stops its servers at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cpu
+
+FORKED = "dstest warm: forked from a warm server"
+COLD = "dstest warm: cold run"
+
+TESTS = """
+import dstest
+import torch.distributed as dist
+import mylib
+
+@dstest.spec(world_size=2, worlds=("process",), contract="F3")
+def test_process_ranks_agree(ctx):
+    import torch
+    t = torch.tensor([ctx.rank + 1.0])
+    dist.all_reduce(t)
+    assert t.item() == 3.0
+
+def test_library_value():
+    assert mylib.VALUE == int(open(mylib.__file__).read().split("=")[1])
+
+def test_fails():
+    assert 1 == 2
+
+@dstest.spec(world_size=2, worlds=("process",))
+def test_workers_see_library_value(ctx):
+    import mylib
+    assert mylib.VALUE == int(open(mylib.__file__).read().split("=")[1])
+"""
+
+CONFTEST = """
+import os, sys
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "lib"))
+
+def pytest_configure(config):
+    from dstest.worlds.process.byref import preload_in_fork_server
+    preload_in_fork_server("mylib")
+"""
+
+
+@pytest.fixture
+def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory):
+    """A project whose conftest puts ``lib/`` on sys.path and preloads ``mylib`` in the workers (so the warm
+    server imports it too); its own server directory; the servers stopped afterwards."""
+    warm_dir = tmp_path_factory.mktemp("warm")
+    os.chmod(warm_dir, 0o700)
+    monkeypatch.setenv("DSTEST_WARM_DIR", str(warm_dir))
+    monkeypatch.setenv("DSTEST_WARM_IDLE", "120")
+    (pytester.path / "lib").mkdir()
+    (pytester.path / "lib" / "mylib.py").write_text("VALUE = 1\n")
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_project=TESTS)
+    yield pytester, warm_dir
+    subprocess.run(
+        [sys.executable, "-m", "dstest.pytest.warm", "--stop"], env=dict(os.environ), capture_output=True, timeout=60
+    )
+
+
+def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest_subprocess("--dstest-warm", "-p", "no:cacheprovider", "-rA", *args, timeout=240)
+
+
+def _wait_for_server(warm_dir: Path, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if list(warm_dir.glob("*.sock")):
+            return
+        time.sleep(0.2)
+    logs = "\n".join(p.read_text() for p in warm_dir.glob("*.log"))
+    raise AssertionError(f"no warm server came up in {timeout} s; its log:\n{logs}")
+
+
+def _header(result: pytest.RunResult) -> str:
+    return next((line for line in result.outlines if line.startswith("dstest warm:")), "")
+
+
+def test_f3_a_later_run_is_forked_with_the_cold_runs_verdicts(project, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytester, warm_dir = project
+    cold = _run(pytester)
+    assert COLD in _header(cold), cold.outlines[:12]
+    cold.assert_outcomes(passed=3, failed=1)
+    cold.stdout.fnmatch_lines(["*a warm server is starting for the next run*"])
+    _wait_for_server(warm_dir)
+    for _ in range(2):  # the server serves more than once
+        warm = _run(pytester)
+        assert FORKED in _header(warm), warm.outlines[:12]
+        warm.assert_outcomes(passed=3, failed=1)
+        assert warm.ret == cold.ret == pytest.ExitCode.TESTS_FAILED
+        warm.stdout.fnmatch_lines(["*assert 1 == 2*"])  # the run's output reaches its own stdout
+    spread = _run(pytester, "-n", "2")  # its xdist workers are the session's, started afresh as in a cold run
+    assert FORKED in _header(spread), spread.outlines[:12]
+    spread.assert_outcomes(passed=3, failed=1)
+    terminal = _run(pytester, "-k", "agree", "-s")  # the tests may read the terminal: only this process has it
+    assert "-s: the tests may read the terminal" in _header(terminal)
+    terminal.assert_outcomes(passed=1)
+    monkeypatch.setenv("DSTEST_WARM_PROBE", "another environment")  # gets its own server
+    other = _run(pytester, "-k", "agree")
+    assert "no warm server for this directory, environment and plugins yet" in _header(other)
+    other.assert_outcomes(passed=1)
+
+
+def test_f3_a_changed_source_file_makes_the_run_cold_and_current(project) -> None:
+    """``mylib`` was imported by the server; after it changes, the run is cold, names the file, and its tests
+    (in this process and in the workers) see the new value; the next server serves the new code."""
+    pytester, warm_dir = project
+    _run(pytester, "-k", "library").assert_outcomes(passed=2)
+    _wait_for_server(warm_dir)
+    assert FORKED in _header(_run(pytester, "-k", "library"))
+    lib = pytester.path / "lib" / "mylib.py"
+    lib.write_text("VALUE = 22\n")
+    changed = _run(pytester, "-k", "library")
+    assert COLD in _header(changed) and "mylib.py changed after the warm server imported it" in _header(changed)
+    changed.assert_outcomes(passed=2)
+    _wait_for_server(warm_dir)
+    again = _run(pytester, "-k", "library")
+    assert FORKED in _header(again), again.outlines[:12]
+    again.assert_outcomes(passed=2)
+
+
+def test_f3_without_the_option_nothing_is_started(project) -> None:
+    pytester, warm_dir = project
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "agree", timeout=240)
+    result.assert_outcomes(passed=1)
+    assert not _header(result)
+    assert not list(warm_dir.iterdir())
