@@ -686,9 +686,8 @@ _STATE = pytest.StashKey[WarmState]()
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)  # before pytest's capture starts: the streams handed over are the run's
 def pytest_load_initial_conftests(early_config: pytest.Config) -> Any:
-    # An xdist worker belongs to the run that started it (cold or warm): it hands nothing over.
-    worker = "PYTEST_XDIST_WORKER" in os.environ
-    if getattr(early_config.known_args_namespace, "dstest_warm", False) and _CHILD is None and not worker:
+    # An xdist worker finds no server: its environment holds the run's PYTEST_XDIST_TESTRUNUID, new each run.
+    if getattr(early_config.known_args_namespace, "dstest_warm", False) and _CHILD is None:
         early_config.stash[_STATE] = hand_over(early_config)
     return (yield)
 
@@ -720,7 +719,8 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     state = config.stash.get(_STATE, None)
-    if state is not None and _CHILD is None and state.env:
+    worker = hasattr(config, "workerinput")  # an xdist worker's run is its controller's
+    if state is not None and _CHILD is None and state.env and not worker:
         state.origins_at_end = _loaded_origins()
         terminalreporter.write_line(f"dstest warm: {start_server(state)}")
 
