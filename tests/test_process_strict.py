@@ -348,6 +348,29 @@ def test_orphan_work_fails_naming_rank_and_call_and_the_next_run_passes(case):
     _next_run_passes()
 
 
+def _gather_each_wait_last(ctx):
+    """A library's habit that holds on NCCL's one stream only: gather per tensor, wait the last handle."""
+    handles = [_gather_async(torch.full((2,), float(i))) for i in range(3)]
+    handles[-1].wait()
+    return ctx.rank
+
+
+def _gather_async(t):
+    out = torch.empty(2 * dist.get_world_size())
+    return dist.all_gather_into_tensor(out, t, async_op=True)
+
+
+def test_e9_an_unwaited_work_names_where_it_was_issued_and_from_where():
+    info = _fails(_gather_each_wait_last)
+    for rank in (0, 1):
+        text = str(info.exceptions[rank])
+        assert isinstance(info.exceptions[rank], UnfinishedWork), text
+        assert text.count("was never waited") == 2  # the first two gathers; the third was waited
+        assert "issued at tests/test_process_strict.py:" in text
+        assert "(_gather_async) <- tests/test_process_strict.py:" in text and "(_gather_each_wait_last)" in text
+    _next_run_passes()
+
+
 # -- item 5: a script without a __main__ guard ----------------------------------------------------------
 
 

@@ -264,6 +264,23 @@ def test_an_async_all_reduce_never_waited_fails_naming_the_rank_and_the_call():
     assert ThreadedWorld(warm=True).run(RunRequest(lambda ctx: 1, 2)) == [1, 1]
 
 
+def _all_reduce_async(t):
+    return dist.all_reduce(t, async_op=True)
+
+
+def test_e9_an_unwaited_work_names_where_it_was_issued_and_from_where():
+    def forgets_the_first(ctx):
+        first = _all_reduce_async(torch.ones(2))  # noqa: F841  (dropped, as a library's wrapper might)
+        _all_reduce_async(torch.ones(3)).wait()
+
+    text = str(_failure(forgets_the_first))
+    unwaited = [line for line in text.splitlines() if "never waited" in line]
+    assert len(unwaited) == 1, text  # the float32[2] call; the float32[3] one was waited
+    line = unwaited[0]
+    assert "all_reduce(float32[2]@cpu, op=sum)" in line and "issued at tests/test_threaded_strict.py:" in line
+    assert "(_all_reduce_async) <- tests/test_threaded_strict.py:" in line and "(forgets_the_first)" in line
+
+
 def test_an_unwaited_collective_still_writes_the_callers_tensor_as_gloo_does():
     kept: dict[int, torch.Tensor] = {}
 

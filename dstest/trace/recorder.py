@@ -20,7 +20,7 @@ from dstest.trace.records import (
     _now,
     _site_text,
     _size,
-    call_site,
+    call_stack,
     group_label,
     measure,
 )
@@ -68,7 +68,8 @@ class Recorder:
         rec = CallRecord(rank, call.op, self._label(group), seq, dtype, shapes, n, nbytes)
         rec.reduce_op = call.reduce_op
         rec.root = call.root
-        rec.site = call_site(3)
+        stack = call_stack(3)
+        rec.site, rec.callers = (stack[0] if stack else None), stack[1:]
         (self.logs.get(rank) or self.log(rank)).add(rec)
         return rec
 
@@ -79,7 +80,8 @@ class Recorder:
         rec = CallRecord(rank, kind, self._label(group), None, name, (tuple(tensor.shape),), n, n * itemsize)
         rec.peer = peer
         rec.tag = tag
-        rec.site = call_site(3)
+        stack = call_stack(3)
+        rec.site, rec.callers = (stack[0] if stack else None), stack[1:]
         self.log(rank).add(rec)
         return rec
 

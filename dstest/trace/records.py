@@ -88,10 +88,37 @@ def call_site(depth: int = 2) -> tuple[str, int, str] | None:
     return None
 
 
+def call_stack(depth: int = 2, limit: int = 4) -> tuple[tuple[str, int, str], ...]:
+    """Up to ``limit`` frames outside dstest's worlds and torch, innermost first: the call site and its
+    callers (a project's own communication wrapper is seldom the place to look)."""
+    known = _SKIPPED_FILES
+    found: list[tuple[str, int, str]] = []
+    frame: Any = sys._getframe(depth)
+    while frame is not None and len(found) < limit:
+        code = frame.f_code
+        filename = code.co_filename
+        skipped = known.get(filename)
+        if skipped is None:
+            skipped = filename.startswith(_skip_dirs())
+            if len(known) >= _SKIPPED_FILES_LIMIT:
+                known.clear()
+            known[filename] = skipped
+        if not skipped:
+            found.append((filename, frame.f_lineno, code.co_name))
+        frame = frame.f_back
+    return tuple(found)
+
+
 def _site_text(site: tuple[str, int, str] | None) -> str:
     if site is None:
         return "?"
     return f"{os.path.basename(site[0])}:{site[1]} ({site[2]})"
+
+
+def _short_path(path: str) -> str:
+    """The file and its directory: enough to tell ``deepspeed/comm/torch.py`` from torch's files."""
+    head, tail = os.path.split(path)
+    return os.path.join(os.path.basename(head), tail) if head else tail
 
 
 #: The clock of every record (ns; the system-wide monotonic clock on Linux and macOS); bound directly,
@@ -103,6 +130,7 @@ class CallRecord:
     """One rank's side of one collective or transfer."""
 
     __slots__ = (
+        "callers",
         "dtype",
         "error",
         "group",
@@ -155,6 +183,7 @@ class CallRecord:
         self.t_wait: int | None = None
         self.t_waited: int | None = None
         self.site: tuple[str, int, str] | None = None
+        self.callers: tuple[tuple[str, int, str], ...] = ()  # the site's callers outside torch and dstest
         self.wait_site: tuple[str, int, str] | None = None
         self.error: str | None = None
         self.sync = False  # waited right after it was posted (a blocking call)
@@ -180,6 +209,14 @@ class CallRecord:
             self.t_waited = _now()
 
     # -- reading -------------------------------------------------------------------------------------
+    def issued_at(self) -> str:
+        """Where the call was made and from where, innermost first: ``comm/torch.py:263 (all_gather) <-
+        zero/partition_parameters.py:2046 (_allgather_params) <- ...``."""
+        sites = [s for s in (self.site, *self.callers) if s is not None]
+        if not sites:
+            return "?"
+        return " <- ".join(f"{_short_path(f)}:{line} ({fn})" for f, line, fn in sites)
+
     def describe(self) -> str:
         parts = [f"{self.dtype}{list(s)}" for s in self.shapes[:4]]
         if len(self.shapes) > 4:

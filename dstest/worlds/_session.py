@@ -185,6 +185,10 @@ class _RankState:
         self.raised: list[BaseException] = []
 
 
+def _issued_at(wait: Waitable) -> str:
+    return f", issued at {wait.record.issued_at()}" if wait.record is not None else ""
+
+
 def _caught_where(err: BaseException) -> str:
     """Where the code under test caught ``err``: the outermost frame of its traceback (the handler's)."""
     tb = err.__traceback__
@@ -467,7 +471,10 @@ class Session:
                 f"{w.describe()}"
                 for w in unmatched
             ]
-            lines += [f"  never waited (call .wait() on the work it returned): {w.describe()}" for w in unwaited]
+            lines += [
+                f"  never waited (call .wait() on the work it returned): {w.describe()}{_issued_at(w)}"
+                for w in unwaited
+            ]
             problem = UnfinishedWork(
                 f"rank {rank} finished its function with work left over; every async collective and "
                 "transfer must be matched by its peers and waited:\n" + "\n".join(lines)

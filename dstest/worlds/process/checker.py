@@ -170,7 +170,10 @@ class _Checker:
                 if rec.error is not None:
                     problems.append(f"{rec.what} failed and was never waited: {rec.error[1].splitlines()[0]}")
                 else:
-                    problems.append(f"{rec.what} was never waited (async_op=True, isend or irecv without wait())")
+                    issued = f", issued at {rec.record.issued_at()}" if rec.record is not None else ""
+                    problems.append(
+                        f"{rec.what} was never waited (async_op=True, isend or irecv without wait()){issued}"
+                    )
         if failure is not None:
             return None, unhealthy
         if problems:
