@@ -99,7 +99,7 @@ class _Checker:
         self.raised: list[str] = []  # mismatches raised on this rank during the run
         self.next_id = 0
         self.acked = threading.Event()
-        self.recorder = _trace.Recorder(world_size, "process")
+        self.recorder = _trace.Recorder(world_size, "process", callers=3)
         self.faults: RankFaults | None = None  # this rank's injected faults in this run (contract G5)
         self.listener = threading.Thread(target=self._listen, name="dstest-check-listener", daemon=True)
         self.listener.start()
@@ -123,7 +123,7 @@ class _Checker:
             self.raised = []
             self.next_id = 0
             self.acked.clear()
-            self.recorder = _trace.Recorder(self.world_size, "process")
+            self.recorder = _trace.Recorder(self.world_size, "process", callers=3)
 
     def kill(self, fault: Fault) -> None:
         """An injected Kill: tell the referee (so the peers' calls that need this rank fail at once), then
