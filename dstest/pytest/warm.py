@@ -242,8 +242,11 @@ def _loaded_origins() -> dict[str, str]:
 
 
 def _preload_of_this_run() -> list[str]:
-    launch = sys.modules.get("dstest.worlds.process.launch")
-    names = list(getattr(launch, "_PRELOAD", ()))
+    names: list[str] = []
+    if "dstest.worlds.process.launch" in sys.modules:  # this run's process world listed a preload
+        from dstest.worlds.process.byref import fork_server_preload
+
+        names = fork_server_preload()
     if "torch" in sys.modules and "torch" not in names:
         names.append("torch")
     return [n for n in names if n != "__main__"]
