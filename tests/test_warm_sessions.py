@@ -138,3 +138,19 @@ def test_f3_without_the_option_nothing_is_started(project) -> None:
     result.assert_outcomes(passed=1)
     assert not _header(result)
     assert not list(warm_dir.iterdir())
+
+
+def test_f3_a_package_pytest_rewrites_imported_by_the_preload_gives_no_new_warning(project) -> None:
+    """``mylib`` (preloaded in the server) imports hypothesis, which pytest rewrites on import in every session
+    (it installs a pytest plugin), as torch's test bases do: the server imports hypothesis through pytest's
+    rewriting first, so that a forked session finds it rewritten and warns of nothing the cold run did not."""
+    pytester, warm_dir = project
+    (pytester.path / "lib" / "mylib.py").write_text("import hypothesis  # rewritten by pytest\nVALUE = 1\n")
+    cold = _run(pytester, "-k", "library")
+    cold.assert_outcomes(passed=2)
+    assert "PytestAssertRewriteWarning" not in cold.stdout.str()
+    _wait_for_server(warm_dir)
+    warm = _run(pytester, "-k", "library")
+    assert FORKED in _header(warm), warm.outlines[:12]
+    warm.assert_outcomes(passed=2)
+    assert "PytestAssertRewriteWarning" not in warm.stdout.str(), warm.stdout.str()[-2000:]

@@ -38,6 +38,7 @@ PYTEST_DONT_REWRITE: the server imports this module before pytest does in the se
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import importlib
 import importlib.machinery
@@ -399,14 +400,13 @@ def serve(spec_path: str) -> int:
     preload = [n for n in spec["preload"] if n.partition(".")[0] not in skip]
     with warnings.catch_warnings(record=True) as caught:  # given here once; a session does not see them
         warnings.simplefilter("always")
-        for name in preload:
-            try:
-                _import_as_recorded(name, spec["origins"])
-            except Exception as exc:  # the session imports it again and reports what fails
-                print(f"warm server: {name} not preloaded: {type(exc).__name__}: {exc}", flush=True)
+        # The packages pytest rewrites (hypothesis) first, through its rewriting, before the preload can
+        # import them plainly (torch's test bases import hypothesis); the empty session that does it imports
+        # the entry-point plugins, of which only dstest is not rewritten, and this server already runs it.
+        if spec.get("rewritten"):
+            _import_rewritten(spec["rewritten"])
+        _preload(preload, spec["origins"])
     spec["import_warnings"] = sorted({f"{w.category.__name__}: {w.message}"[:300] for w in caught})
-    if spec.get("rewritten"):
-        _import_rewritten(spec["rewritten"])
     differ = _origins_differ(spec["origins"])
     if differ is not None:
         print(f"warm server: {differ}; not serving", flush=True)
@@ -416,6 +416,11 @@ def serve(spec_path: str) -> int:
         print(f"warm server: importing the preload started threads {threading.enumerate()}; not serving", flush=True)
         return 1
     sources = _Sources.now()
+    # What the server imported lives as long as every session: out of the collector's sight, so that a
+    # session's collections (pytest collects twice at its end) walk only the session's own objects, and do
+    # not touch, and so copy, the pages it shares with the server.
+    gc.collect()
+    gc.freeze()
     path = os.path.join(os.path.dirname(spec_path), f"{spec['key']}.sock")
     listener = _bind(path)
     if listener is None:
@@ -458,6 +463,14 @@ def serve(spec_path: str) -> int:
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+
+def _preload(names: list[str], origins: dict[str, str]) -> None:
+    for name in dict.fromkeys(names):
+        try:
+            _import_as_recorded(name, origins)
+        except Exception as exc:  # the session imports it again and reports what fails
+            print(f"warm server: {name} not preloaded: {type(exc).__name__}: {exc}", flush=True)
 
 
 class _ImportRewritten:

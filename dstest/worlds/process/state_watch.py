@@ -23,7 +23,9 @@ imported during a run are watched from the end of that run on.
 
 from __future__ import annotations
 
+import operator
 import sys
+from itertools import repeat
 from types import ModuleType
 from typing import Any
 
@@ -44,13 +46,25 @@ def _copy(value: Any) -> Any:
     return None
 
 
+def _is_module(value: Any) -> bool:
+    """By the value's type, not ``isinstance``: that reads ``value.__class__``, which some module-level
+    objects answer with a warning (``torch.distributed.reduce_op``'s deprecation)."""
+    return issubclass(type(value), ModuleType)
+
+
 def _same_contents(saved: Any, value: Any) -> bool:
-    """Whether a container holds the same objects it held when saved (by identity, as a fresh run needs)."""
+    """Whether a container holds the same objects it held when saved (by identity, as a fresh run needs).
+    Compared in C where it can be: keys and values in order by identity first (no key is hashed: torch's
+    operator overloads hash in Python), then by lookup where a dict's order changed."""
     if type(saved) is dict:
+        if len(saved) != len(value):
+            return False
+        if all(map(operator.is_, saved, value)) and all(map(operator.is_, saved.values(), value.values())):
+            return True
         return saved.keys() == value.keys() and all(saved[k] is value[k] for k in saved)
     if type(saved) is list:
-        return len(saved) == len(value) and all(a is b for a, b in zip(saved, value, strict=True))
-    return bool(saved == value)  # a set: its members compare by hash and equality
+        return len(saved) == len(value) and all(map(operator.is_, saved, value))
+    return bool(saved == value)  # a set: its members compare by the hashes the sets keep, and equality
 
 
 def _restore_contents(value: Any, saved: Any) -> None:
@@ -64,15 +78,32 @@ def _restore_contents(value: Any, saved: Any) -> None:
 class _Saved:
     """One module's globals when watching began: name -> (object, shallow copy of a container or None)."""
 
-    __slots__ = ("bindings", "module")
+    __slots__ = ("benign", "bindings", "containers", "module", "names", "values")
 
     def __init__(self, module: ModuleType) -> None:
         self.module = module
         self.bindings = {
             name: (value, _copy(value))
             for name, value in vars(module).items()
-            if not (name.startswith("__") and name.endswith("__")) and not isinstance(value, ModuleType)
+            if not (name.startswith("__") and name.endswith("__")) and not _is_module(value)
         }
+        # The same, laid out for the check after every run, which finds nothing changed nearly always.
+        self.names = tuple(self.bindings)
+        self.values = tuple(value for value, _ in self.bindings.values())
+        self.containers = tuple((value, copy) for value, copy in self.bindings.values() if copy is not None)
+        self.benign = frozenset(vars(module).keys() - self.bindings.keys())  # its dunders and submodules
+
+    def unchanged(self) -> bool:
+        """Whether the module's globals are as saved: every binding the same object, no name added (but
+        dunders and submodules), every container's contents the same. Most of it in C: it runs for each
+        watched module after each run."""
+        namespace = vars(self.module)
+        if not all(map(operator.is_, map(namespace.get, self.names, repeat(_MISSING)), self.values)):
+            return False
+        for attr in namespace.keys() - self.bindings.keys() - self.benign:
+            if not ((attr.startswith("__") and attr.endswith("__")) or _is_module(namespace[attr])):
+                return False
+        return all(_same_contents(copy, value) for value, copy in self.containers)
 
 
 class ModuleStateWatch:
@@ -81,14 +112,18 @@ class ModuleStateWatch:
     def __init__(self, prefixes: tuple[str, ...]) -> None:
         self.prefixes = prefixes
         self.saved: dict[str, _Saved] = {}
+        self._seen: set[str] = set()
         self._add_new_modules()
 
     def _watched(self, name: str) -> bool:
         return any(name == p or name.startswith(p + ".") for p in self.prefixes)
 
     def _add_new_modules(self) -> None:
-        for name, module in list(sys.modules.items()):
-            if name not in self.saved and isinstance(module, ModuleType) and self._watched(name):
+        names = sys.modules.keys() - self._seen  # only the modules imported since the last look
+        self._seen.update(names)
+        for name in names:
+            module = sys.modules.get(name)
+            if isinstance(module, ModuleType) and self._watched(name):
                 self.saved[name] = _Saved(module)
 
     def check_and_restore(self) -> tuple[list[str], str | None]:
@@ -96,6 +131,8 @@ class ModuleStateWatch:
         found: list[str] = []
         unusable = None
         for name, saved in self.saved.items():
+            if saved.unchanged():
+                continue
             try:
                 found.extend(self._restore_module(name, saved))
             except Exception as exc:  # a module that refuses: only a fresh process is clean
@@ -110,7 +147,7 @@ class ModuleStateWatch:
         namespace = vars(saved.module)
         for attr in [a for a in namespace if a not in saved.bindings]:
             value = namespace[attr]
-            if (attr.startswith("__") and attr.endswith("__")) or isinstance(value, ModuleType):
+            if (attr.startswith("__") and attr.endswith("__")) or _is_module(value):
                 continue
             del namespace[attr]
             if not _quiet(name, attr):

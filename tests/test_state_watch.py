@@ -1,0 +1,110 @@
+"""The module-state watch of warm workers (:mod:`dstest.worlds.process.state_watch`), in this process: what
+it reports and puts back after a run (contract F2: nothing a test leaves in a worker reaches the next
+test), and that watching is silent when nothing changed. The end-to-end checks through the process world
+are in test_process_world.py and test_compat_torch.py."""
+
+from __future__ import annotations
+
+import sys
+import types
+import warnings
+
+import pytest
+
+from dstest.worlds.process.state_watch import ModuleStateWatch
+
+pytestmark = pytest.mark.cpu
+
+
+class _Key:
+    """A dict key that hashes in Python, as torch's operator overloads do: counts its hash calls."""
+
+    hashed = 0
+
+    def __hash__(self) -> int:
+        _Key.hashed += 1
+        return id(self) >> 4
+
+
+class _WarnsOnClass:
+    """A module-level object that warns when its attributes are read (``torch.distributed.reduce_op``)."""
+
+    def __getattribute__(self, name: str) -> object:
+        warnings.warn("reduce_op is deprecated", FutureWarning, stacklevel=2)
+        return object.__getattribute__(self, name)
+
+
+@pytest.fixture
+def module(request: pytest.FixtureRequest):
+    name = f"dstest_watched_{request.node.name}"
+    mod = types.ModuleType(name)
+    mod.SETTING = "fresh"
+    mod.ITEMS = [1, 2]
+    mod.TABLE = {_Key(): i for i in range(50)}
+    mod.NAMES = {"a", "b"}
+    mod.deprecated = _WarnsOnClass()
+    mod.sub = types.ModuleType(f"{name}.sub")
+    sys.modules[name] = mod
+    yield mod
+    del sys.modules[name]
+
+
+def test_nothing_changed_reports_nothing_hashes_no_key_and_reads_no_attribute(module) -> None:
+    watch = ModuleStateWatch((module.__name__,))
+    before = _Key.hashed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the deprecated object's warning would raise here
+        for _ in range(3):
+            assert watch.check_and_restore() == ([], None)
+    assert _Key.hashed == before  # the table was compared by identity, in order
+
+
+def test_each_change_is_put_back_and_named(module) -> None:
+    watch = ModuleStateWatch((module.__name__,))
+    items, table = module.ITEMS, module.TABLE
+    first_key = next(iter(table))
+    module.SETTING = "left by a test"
+    module.ITEMS.append(3)
+    table[first_key] = -1
+    module.NAMES.add("c")
+    module.ADDED = 1
+    del module.deprecated
+    found, unusable = watch.check_and_restore()
+    n = module.__name__
+    assert unusable is None
+    assert sorted(found) == sorted(
+        [
+            f"{n}.SETTING: rebound to a str; put back",
+            f"{n}.ITEMS: its list changed in place; contents put back",
+            f"{n}.TABLE: its dict changed in place; contents put back",
+            f"{n}.NAMES: its set changed in place; contents put back",
+            f"{n}.ADDED: added by the run (int); removed",
+            f"{n}.deprecated: deleted; put back",
+        ]
+    )
+    assert module.SETTING == "fresh" and module.ITEMS is items and items == [1, 2]
+    assert module.TABLE is table and table[first_key] == 0 and module.NAMES == {"a", "b"}
+    assert not hasattr(module, "ADDED") and isinstance(object.__getattribute__(module.deprecated, "__class__"), type)
+    assert watch.check_and_restore() == ([], None)
+
+
+def test_same_contents_in_another_order_or_a_fresh_equal_container_is_not_a_change(module) -> None:
+    watch = ModuleStateWatch((module.__name__,))
+    key = next(iter(module.TABLE))
+    module.TABLE[key] = module.TABLE.pop(key)  # the same pairs, the first one now last
+    module.ITEMS = [1, 2]  # what a reset makes: a new list with the same members
+    assert watch.check_and_restore() == ([], None)
+
+
+def test_a_module_imported_after_watching_began_is_watched_from_then_on(module) -> None:
+    watch = ModuleStateWatch((module.__name__,))
+    late = types.ModuleType(f"{module.__name__}.late")
+    late.VALUE = 1
+    sys.modules[late.__name__] = late
+    try:
+        assert watch.check_and_restore() == ([], None)  # first seen here: saved as it is now
+        late.VALUE = 2
+        assert watch.check_and_restore()[0] == [f"{late.__name__}.VALUE: rebound to a int; put back"]
+        assert late.VALUE == 1
+    finally:
+        del sys.modules[late.__name__]
