@@ -10,6 +10,7 @@ import types
 import warnings
 
 import pytest
+import torch
 
 from dstest.worlds.process.state_watch import ModuleStateWatch
 
@@ -108,3 +109,37 @@ def test_a_module_imported_after_watching_began_is_watched_from_then_on(module) 
         assert late.VALUE == 1
     finally:
         del sys.modules[late.__name__]
+
+
+def test_what_torch_compile_adds_to_a_modules_globals_is_left_in_place(module) -> None:
+    """dynamo puts the compiled graph in the globals of the compiled function's module and its cached code
+    looks it up there: removed, the function's next call fails with ``NameError: __compiled_fn_...``
+    (DeepSpeed's MoE gating, compiled by ``jit_script_compat``)."""
+    watch = ModuleStateWatch((module.__name__,))
+    compiled = {"__compiled_fn_1_0a1b": object(), "__resume_at_30_2": object(), "__import_torch_dot_nn": torch.nn}
+    vars(module).update(compiled)
+    for _ in range(2):
+        assert watch.check_and_restore() == ([], None)
+        assert all(vars(module)[name] is value for name, value in compiled.items())
+    module.SETTING = "still watched"
+    assert watch.check_and_restore()[0] == [f"{module.__name__}.SETTING: rebound to a str; put back"]
+
+
+def _call_compiled(ctx) -> float:
+    return float(_double(torch.tensor([ctx.rank + 1.0])).item())
+
+
+def _double(t: torch.Tensor) -> torch.Tensor:
+    return t * 2
+
+
+_double = torch.compile(_double, backend="eager")  # dynamo installs its graph in this module's globals
+
+
+def test_a_function_compiled_in_a_watched_module_runs_again_on_the_warm_workers() -> None:
+    """End to end on the process world, this module watched: each run calls the compiled function."""
+    from dstest.worlds.process import ProcessWorld
+    from dstest.worlds.request import RunRequest
+
+    for _ in range(3):
+        assert ProcessWorld().run(RunRequest(_call_compiled, 2, watch_modules=(__name__,), timeout=120)) == [2.0, 4.0]

@@ -14,7 +14,9 @@ set. After each run it compares:
   pool replaces it before the next run.
 
 A cache (a name containing "cache") and c10d's tables of groups (which the world manages itself) are put
-back without a report. Each other difference is reported as ``module.name`` with what was done, and the
+back without a report; what torch.compile adds to the globals of a module it compiled a function of
+(names with two leading underscores: ``__compiled_fn_*``, ``__import_*``...) is left in place, unreported:
+the compiled code cached on the function looks it up there. Each other difference is reported as ``module.name`` with what was done, and the
 parent warns with :class:`dstest.errors.StateLeftBehind`, a finding about the code under test: it would
 have reached the next test. What is compared is bindings and the shallow contents of containers; an object
 changed through its own attributes (``obj.field = x`` on a module-level object) is not seen. Modules first
@@ -80,6 +82,8 @@ class _Saved:
 
     __slots__ = ("benign", "bindings", "containers", "module", "names", "values")
 
+    benign: set[str]
+
     def __init__(self, module: ModuleType) -> None:
         self.module = module
         self.bindings = {
@@ -91,7 +95,7 @@ class _Saved:
         self.names = tuple(self.bindings)
         self.values = tuple(value for value, _ in self.bindings.values())
         self.containers = tuple((value, copy) for value, copy in self.bindings.values() if copy is not None)
-        self.benign = frozenset(vars(module).keys() - self.bindings.keys())  # its dunders and submodules
+        self.benign = set(vars(module).keys() - self.bindings.keys())  # its dunders and submodules
 
     def unchanged(self) -> bool:
         """Whether the module's globals are as saved: every binding the same object, no name added (but
@@ -149,6 +153,9 @@ class ModuleStateWatch:
             value = namespace[attr]
             if (attr.startswith("__") and attr.endswith("__")) or _is_module(value):
                 continue
+            if attr.startswith(_DYNAMO_GLOBALS):  # compiled code looks them up: left, as a cache
+                saved.benign.add(attr)
+                continue
             del namespace[attr]
             if not _quiet(name, attr):
                 found.append(f"{name}.{attr}: added by the run ({type(value).__name__}); removed")
@@ -169,6 +176,13 @@ class ModuleStateWatch:
 
 
 _MISSING = object()
+
+#: What torch.compile (dynamo) adds to the globals of a module whose function it compiled is named with two
+#: leading underscores: the compiled graph (``__compiled_fn_*``), resume functions, the builtins and modules
+#: its bytecode reads (``__builtins_dict___0``, ``__import_*``, ``__nn_module_*``...). The code it caches on
+#: the function looks them up there: removing them would fail the function's next call (``NameError:
+#: __compiled_fn_...``). They are a cache of compiled code, as a fresh process would make again: left.
+_DYNAMO_GLOBALS = "__"
 
 
 #: c10d's tables of groups, which the process world manages itself (it destroys the groups of a run after it,
