@@ -8,7 +8,9 @@
 # TORCH_TESTS_DIR holds torch's test files (test/distributed/... of github.com/pytorch/pytorch; they are
 # not in torch's wheel); TEST_PATHs are relative to it. The Python that runs it needs torch, dstest and
 # expecttest. Environment: PYTHON (default python), RUNS ("upstream plugin" by default; one of them to run
-# only that side). The two sides run one after the other on the same machine.
+# only that side), WARM (1: the plugin side runs as a developer re-running files does, with --dstest-warm,
+# every file from TORCH_TESTS_DIR so that one warm server serves them all, with the file's directory as
+# rootdir for upstream's test ids; its first run is cold and starts the server, and counts). The two sides run one after the other on the same machine.
 set -uo pipefail
 root=$(cd "${1:?usage: torch_upstream.sh TORCH_TESTS_DIR [OUT_DIR] [TEST_PATH ...]}" && pwd)
 out=$(mkdir -p "${2:-torch-upstream}" && cd "${2:-torch-upstream}" && pwd)
@@ -27,6 +29,9 @@ for p in "${paths[@]}"; do  # each path on both sides back to back, so that both
     if [ "$run" = upstream ]; then
       "$python" -m pytest -p no:dstest -p no:cacheprovider -q --continue-on-collection-errors \
         --junitxml="$out/$run-$name.xml" "$(basename "$p")" > "$out/$run-$name.log" 2>&1
+    elif [ "${WARM:-}" = 1 ]; then
+      (cd "$root" && "$python" -m pytest -p dstest.compat.torch -p no:cacheprovider -q --continue-on-collection-errors \
+        --dstest-warm --rootdir="$(dirname "$p")" --junitxml="$out/$run-$name.xml" "$p") > "$out/$run-$name.log" 2>&1
     else
       "$python" -m pytest -p dstest.compat.torch -p no:cacheprovider -q --continue-on-collection-errors \
         --junitxml="$out/$run-$name.xml" "$(basename "$p")" > "$out/$run-$name.log" 2>&1
@@ -36,4 +41,7 @@ for p in "${paths[@]}"; do  # each path on both sides back to back, so that both
     echo "$run $p rc=$rc wall=$("$python" -c "print(round($end - $start, 1))")s" | tee -a "$out/walls.txt"
   done
 done
+if [ "${WARM:-}" = 1 ]; then
+  "$python" -m dstest.pytest.warm --stop
+fi
 "$python" "$here/upstream_compare.py" "$out" upstream | tee "$out/table.md"
