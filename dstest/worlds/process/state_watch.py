@@ -16,11 +16,12 @@ set. After each run it compares:
 A cache (a name containing "cache") and c10d's tables of groups (which the world manages itself) are put
 back without a report; what torch.compile adds to the globals of a module it compiled a function of
 (names with two leading underscores: ``__compiled_fn_*``, ``__import_*``...) is left in place, unreported:
-the compiled code cached on the function looks it up there. Each other difference is reported as ``module.name`` with what was done, and the
-parent warns with :class:`dstest.errors.StateLeftBehind`, a finding about the code under test: it would
-have reached the next test. What is compared is bindings and the shallow contents of containers; an object
-changed through its own attributes (``obj.field = x`` on a module-level object) is not seen. Modules first
-imported during a run are watched from the end of that run on.
+the compiled code cached on the function looks it up there. Each other difference is reported as
+``module.name`` with what was done, and the parent warns with :class:`dstest.errors.StateLeftBehind`, a
+finding about the code under test: it would have reached the next test. What is compared is bindings and
+the shallow contents of containers; an object changed through its own attributes (``obj.field = x`` on a
+module-level object) is not seen. Modules first imported during a run are watched from the end of that run
+on.
 """
 
 from __future__ import annotations
