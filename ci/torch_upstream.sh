@@ -10,7 +10,8 @@
 # expecttest. Environment: PYTHON (default python), RUNS ("upstream plugin" by default; one of them to run
 # only that side), WARM (1: the plugin side runs as a developer re-running files does, with --dstest-warm,
 # every file from TORCH_TESTS_DIR so that one warm server serves them all, with the file's directory as
-# rootdir for upstream's test ids; its first run is cold and starts the server, and counts). The two sides run one after the other on the same machine.
+# rootdir for upstream's test ids; its first run is cold and starts the server, and counts; at the end the
+# warm servers of DSTEST_WARM_DIR are stopped). The two sides run one after the other on the same machine.
 set -uo pipefail
 root=$(cd "${1:?usage: torch_upstream.sh TORCH_TESTS_DIR [OUT_DIR] [TEST_PATH ...]}" && pwd)
 out=$(mkdir -p "${2:-torch-upstream}" && cd "${2:-torch-upstream}" && pwd)
