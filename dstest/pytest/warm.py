@@ -405,7 +405,11 @@ def serve(spec_path: str) -> int:
         # the entry-point plugins, of which only dstest is not rewritten, and this server already runs it.
         if spec.get("rewritten"):
             _import_rewritten(spec["rewritten"])
-        _preload(preload, spec["origins"])
+        for name in preload:
+            try:
+                _import_as_recorded(name, spec["origins"])
+            except Exception as exc:  # the session imports it again and reports what fails
+                print(f"warm server: {name} not preloaded: {type(exc).__name__}: {exc}", flush=True)
     spec["import_warnings"] = sorted({f"{w.category.__name__}: {w.message}"[:300] for w in caught})
     differ = _origins_differ(spec["origins"])
     if differ is not None:
@@ -463,14 +467,6 @@ def serve(spec_path: str) -> int:
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
-
-
-def _preload(names: list[str], origins: dict[str, str]) -> None:
-    for name in dict.fromkeys(names):
-        try:
-            _import_as_recorded(name, origins)
-        except Exception as exc:  # the session imports it again and reports what fails
-            print(f"warm server: {name} not preloaded: {type(exc).__name__}: {exc}", flush=True)
 
 
 class _ImportRewritten:

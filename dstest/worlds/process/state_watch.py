@@ -99,15 +99,16 @@ class _Saved:
         self.benign = set(vars(module).keys() - self.bindings.keys())  # its dunders and submodules
 
     def unchanged(self) -> bool:
-        """Whether the module's globals are as saved: every binding the same object, no name added (but
-        dunders and submodules), every container's contents the same. Most of it in C: it runs for each
+        """Whether the module's globals are as saved: every binding the same object, no name added but those
+        left alone (:func:`_left_alone`, remembered in ``benign``), every container's contents the same. Most of it in C: it runs for each
         watched module after each run."""
         namespace = vars(self.module)
         if not all(map(operator.is_, map(namespace.get, self.names, repeat(_MISSING)), self.values)):
             return False
         for attr in namespace.keys() - self.bindings.keys() - self.benign:
-            if not ((attr.startswith("__") and attr.endswith("__")) or _is_module(namespace[attr])):
+            if not _left_alone(attr, namespace[attr]):
                 return False
+            self.benign.add(attr)
         return all(_same_contents(copy, value) for value, copy in self.containers)
 
 
@@ -152,10 +153,7 @@ class ModuleStateWatch:
         namespace = vars(saved.module)
         for attr in [a for a in namespace if a not in saved.bindings]:
             value = namespace[attr]
-            if (attr.startswith("__") and attr.endswith("__")) or _is_module(value):
-                continue
-            if attr.startswith(_DYNAMO_GLOBALS):  # compiled code looks them up: left, as a cache
-                saved.benign.add(attr)
+            if _left_alone(attr, value):
                 continue
             del namespace[attr]
             if not _quiet(name, attr):
@@ -178,12 +176,15 @@ class ModuleStateWatch:
 
 _MISSING = object()
 
-#: What torch.compile (dynamo) adds to the globals of a module whose function it compiled is named with two
-#: leading underscores: the compiled graph (``__compiled_fn_*``), resume functions, the builtins and modules
-#: its bytecode reads (``__builtins_dict___0``, ``__import_*``, ``__nn_module_*``...). The code it caches on
-#: the function looks them up there: removing them would fail the function's next call (``NameError:
-#: __compiled_fn_...``). They are a cache of compiled code, as a fresh process would make again: left.
-_DYNAMO_GLOBALS = "__"
+
+def _left_alone(name: str, value: Any) -> bool:
+    """A name a run added that stays: a dunder, a submodule (an import sets it), or what torch.compile
+    (dynamo) adds to the globals of a module whose function it compiled, also named with two leading
+    underscores: the compiled graph (``__compiled_fn_*``), resume functions, the builtins and modules its
+    bytecode reads (``__builtins_dict___0``, ``__import_*``, ``__nn_module_*``...). The code dynamo caches on
+    the function looks them up there: removing them would fail the function's next call (``NameError:
+    __compiled_fn_...``). They are a cache of compiled code, as a fresh process would make again."""
+    return name.startswith("__") or _is_module(value)
 
 
 #: c10d's tables of groups, which the process world manages itself (it destroys the groups of a run after it,
