@@ -100,8 +100,8 @@ class _Saved:
 
     def unchanged(self) -> bool:
         """Whether the module's globals are as saved: every binding the same object, no name added but those
-        left alone (:func:`_left_alone`, remembered in ``benign``), every container's contents the same. Most of it in C: it runs for each
-        watched module after each run."""
+        left alone (:func:`_left_alone`, remembered in ``benign``), every container's contents the same.
+        Most of it in C: it runs for each watched module after each run."""
         namespace = vars(self.module)
         if not all(map(operator.is_, map(namespace.get, self.names, repeat(_MISSING)), self.values)):
             return False
