@@ -9,10 +9,12 @@ the ranks grouped by value, and the largest difference.
 
 It is a collective: every rank of ``group`` calls it, with the same structure of tensors. It uses only
 ordinary ``torch.distributed`` collectives, so it runs the same on the threaded world, the process world and
-NCCL. To stay cheap it exchanges, per tensor, a fingerprint of its bits (two int64 sums, one of them
-position-weighted) and gathers a tensor's values only when fingerprints differ. Every rank ends with the
-same verdict and raises the same :class:`~dstest.errors.ReplicasDiverge`, so no rank is left behind in a
-collective.
+NCCL. To stay cheap it exchanges, per tensor, a digest of its bytes (BLAKE2b, 128 bits: no change of bits can
+cancel out in it, as it could in a sum) and gathers a tensor's values only when digests differ. Tensors are
+matched by name (a dict by key, in any order) and compared as the values they stand for (conjugate and negative
+views resolved, any strides). Every rank ends with the same verdict and raises the same
+:class:`~dstest.errors.ReplicasDiverge` (or, for names it cannot tell apart, the same
+:class:`~dstest.errors.InvalidArgument`), so no rank is left behind in a collective.
 
 What each layout compares:
 
@@ -32,6 +34,9 @@ What each layout compares:
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import hashlib
+import math
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -206,108 +211,83 @@ def _entries(obj: object, pg: Any, ranks: tuple[int, ...]) -> tuple[str, list[_E
     return what, entries
 
 
-# -- fingerprints and values -------------------------------------------------------------------------------------
+# -- digests and values ------------------------------------------------------------------------------------------
+#: Bytes of a tensor's digest: 128 bits, exchanged as two int64.
+_DIGEST_BYTES = 16
+
+
 def _raw(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes, flat (uint8): what "bit for bit" compares."""
-    flat = t.detach().contiguous().reshape(-1)
-    return (flat.view(torch.uint8) if flat.dtype == torch.bool else flat).view(torch.uint8)
+    """The bytes of the values ``t`` stands for, flat (uint8), on its device: what "bit for bit" compares.
+
+    A conjugate or negative view keeps its values' sign in a flag, not in memory, and a strided view skips
+    memory: both are resolved and made contiguous first, so every layout of the same values gives the same
+    bytes (and a view of other values never gives them)."""
+    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits as a flat integer tensor, viewed (not copied): int32 words for 4- and 8-byte dtypes,
-    int16 for 2-byte ones, uint8 for 1-byte ones and bool."""
-    flat = t.detach().contiguous().reshape(-1)
-    if flat.dtype == torch.bool:
-        return flat.view(torch.uint8)
-    size = flat.element_size()
-    return flat.view({1: torch.uint8, 2: torch.int16}.get(size, torch.int32))
+def _digest(t: torch.Tensor) -> bytes:
+    """BLAKE2b (128 bits) of the bytes of ``t``'s values: the same on every rank for the same bits, and no change
+    of bits, however placed, makes two digests equal except by a chance of 2**-128.
+
+    A hash, not a sum: a sum of words (weighted or not) is linear, so changes that add up to nothing (a sign
+    flipped in many elements, two -0.0, values moved by the weights' period) cancel and replicas that differ
+    pass. hashlib's BLAKE2b is in the standard library, runs near 1 GB/s on any CPU, and releases the GIL over
+    buffers this size, so the threaded world's ranks hash at once. The bytes are read in place (through ctypes,
+    which needs no numpy and knows every dtype, bfloat16 included); a tensor elsewhere (CUDA) is copied to the
+    CPU first."""
+    raw = _raw(t)
+    if raw.device.type != "cpu":
+        raw = raw.cpu()
+    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    if raw.numel():
+        h.update((ctypes.c_ubyte * raw.numel()).from_address(raw.data_ptr()))
+    return h.digest()
 
 
-#: Period (in words) of the position weights of :func:`_fingerprint`.
-_PERIOD = 1024
-_WEIGHTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _weights(device: torch.device) -> torch.Tensor:
-    """Odd int32 weights, the same on every rank and device (a fixed seed): odd, so a changed word always
-    changes its weighted term (odd numbers are invertible modulo 2**32)."""
-    if device not in _WEIGHTS:
-        g = torch.Generator().manual_seed(0x5EED)
-        odd = torch.randint(-(2**30), 2**30, (_PERIOD,), generator=g, dtype=torch.int32) * 2 + 1
-        _WEIGHTS[device] = odd.to(device)
-    return _WEIGHTS[device]
-
-
-def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """Two int64 numbers of the tensor's bits, the same on every rank and device for the same bits: the plain
-    wrapping sum of its words, and their sum weighted by position with odd pseudo-random weights (a periodic
-    pattern). One changed word always changes both (odd numbers are invertible modulo 2**64 and 2**32); values
-    moved between positions change the weighted sum unless moved by a multiple of the period.
-
-    On the CPU in numpy, on 8-byte words, without a copy and without the GIL: torch's integer reductions on the
-    CPU run some forty times slower (measured: 6 ms per 4 MB against 0.15), CRC-32 twenty times slower. Elsewhere
-    (CUDA) in torch on the device, on 4-byte words, without a copy to the host.
-    """
-    if t.device.type == "cpu":
-        np = _numpy()
-        if np is not None:
-            raw = _raw(t).numpy()
-            whole = raw.size - raw.size % (8 * _PERIOD)
-            words = raw[:whole].view(np.int64).reshape(-1, _PERIOD)
-            weights = _np_weights(np)
-            plain, weighted = int(words.sum(dtype=np.int64)), int((words @ weights).sum(dtype=np.int64))
-            if whole < raw.size:  # the tail, byte by byte
-                tail = raw[whole:].astype(np.int64)
-                plain += int(tail.sum())
-                weighted += int(tail @ np.resize(weights, tail.size))
-            return torch.tensor([_wrap64(plain), _wrap64(weighted)], dtype=torch.int64)
-    words = _words(t)
-    n = words.numel()
-    whole = n - n % _PERIOD
-    weights = _weights(words.device)
-    plain_t = words.sum(dtype=torch.int64)
-    weighted_t = (words[:whole].view(-1, _PERIOD) * weights).sum(dtype=torch.int64) if whole else plain_t * 0
-    if whole < n:
-        weighted_t = weighted_t + (words[whole:] * weights[: n - whole]).sum(dtype=torch.int64)
-    return torch.stack([plain_t, weighted_t])
-
-
-def _wrap64(value: int) -> int:
-    """A Python int as the int64 it wraps to."""
-    return (value + 2**63) % 2**64 - 2**63
+def _digests(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The digests of ``tensors`` as an int64 tensor ``[len(tensors), 2]``, to exchange."""
+    joined = bytearray(b"".join(_digest(t) for t in tensors))
+    return torch.frombuffer(joined, dtype=torch.int64).reshape(len(tensors), _DIGEST_BYTES // 8).clone()
 
 
 def _numpy() -> Any:
     try:
         import numpy
-    except ImportError:  # torch runs without numpy; the torch path then serves the CPU too
+    except ImportError:  # torch runs without numpy; the torch path then serves
         return None
     return numpy
 
 
-_NP_WEIGHTS: list[Any] = []
-
-
-def _np_weights(np: Any) -> Any:
-    """Odd int64 weights of period :data:`_PERIOD`, from a fixed seed: the same on every rank."""
-    if not _NP_WEIGHTS:
-        _NP_WEIGHTS.append(np.random.default_rng(0x5EED).integers(-(2**62), 2**62, _PERIOD, dtype=np.int64) | 1)
-    return _NP_WEIGHTS[0]
-
-
 def _gather_values(entry: _Entry, t: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's copy of ``t`` (of ``entry.group``), gathered as bytes and viewed back; on the CPU."""
+    """Every rank's copy of ``t`` (of ``entry.group``), gathered as bytes and viewed back; on the CPU, contiguous,
+    views resolved (the values the ranks' tensors stand for)."""
     raw = _raw(t)
     out = [torch.empty_like(raw) for _ in entry.ranks]
     dist.all_gather(out, raw, group=entry.group)
-    return [
-        (o.cpu().view(torch.bool) if t.dtype == torch.bool else o.cpu().view(t.dtype)).reshape(t.shape) for o in out
-    ]
+    return [o.cpu().view(t.dtype).reshape(t.shape) for o in out]
+
+
+def _bits(value: torch.Tensor) -> str:
+    """One element's bits in hex, as the machine reads the element (the most significant byte first)."""
+    return "0x" + int.from_bytes(bytes(_raw(value).tolist()), sys.byteorder).to_bytes(value.element_size(), "big").hex()
 
 
 def _fmt(value: torch.Tensor) -> str:
-    item = value.item()
-    return repr(item) if not isinstance(item, float) else f"{item:.9g}"
+    """One element for a message; its bits where the dtype has no Python value (packed and bit dtypes)."""
+    try:
+        item = value.item()
+    except (RuntimeError, TypeError):
+        return f"bits {_bits(value)}"
+    return f"{item:.9g}" if isinstance(item, float) else repr(item)
+
+
+def _pair(a: torch.Tensor, b: torch.Tensor) -> tuple[str, str]:
+    """Two elements that differ in bits, as a message shows them: with their bits where they print alike (two NaNs
+    of different payloads)."""
+    fa, fb = _fmt(a), _fmt(b)
+    if fa == fb:
+        fa, fb = f"{fa} ({_bits(a)})", f"{fb} ({_bits(b)})"
+    return fa, fb
 
 
 def _elements(t: torch.Tensor) -> Any:
@@ -343,6 +323,53 @@ def _unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(index))
 
 
+def _differences(
+    got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(|got - want|, within)`` elementwise, float64 and bool, ``within`` meaning ``|got - want| <= atol + rtol *
+    |want|``; None for a dtype without arithmetic (bool, packed or bit dtypes: compared bit for bit only).
+
+    Finite values by that formula; an infinity is within only of itself and a NaN only of a NaN (any payload), as
+    in ``torch.isclose(equal_nan=True)``: ``|5 - inf| <= rtol * inf`` holds in IEEE arithmetic, yet 5 is no
+    replica of inf. Integers exactly, whatever their size (float64 would make 2**60 and 2**60 + 1 equal)."""
+    if got.dtype == torch.bool:
+        return None
+    if not (got.dtype.is_floating_point or got.dtype.is_complex):
+        return _integer_differences(got, want, rtol, atol)
+    wide = torch.complex128 if got.dtype.is_complex else torch.float64
+    try:
+        g, w = got.to(wide), want.to(wide)
+    except (RuntimeError, TypeError):  # packed float4 and the like: no conversion
+        return None
+    finite = g.isfinite() & w.isfinite()
+    alike = (g == w) | (g.isnan() & w.isnan())
+    diff = torch.where(finite, (g - w).abs(), torch.where(alike, 0.0, math.inf))
+    within = torch.where(finite, diff <= atol + rtol * w.abs(), alike)
+    return diff, within
+
+
+def _integer_differences(
+    got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`_differences` of integers: each as a high and a low 32-bit half, whose differences are exact in
+    int64, so ``|got - want|`` in float64 is the exact difference rounded once (no overflow for any pair of
+    int64 or uint64 values)."""
+    try:
+        if got.dtype == torch.uint64:
+            a, b = got.view(torch.int64), want.view(torch.int64)
+        else:
+            a, b = got.to(torch.int64), want.to(torch.int64)
+    except (RuntimeError, TypeError):
+        return None
+    high_a, high_b = a >> 32, b >> 32
+    if got.dtype == torch.uint64:  # the top bit is a value bit, not a sign
+        high_a, high_b = high_a & 0xFFFFFFFF, high_b & 0xFFFFFFFF
+    low_a, low_b = a & 0xFFFFFFFF, b & 0xFFFFFFFF
+    diff = ((high_a - high_b).double() * 2.0**32 + (low_a - low_b).double()).abs()
+    scale = (high_b.double() * 2.0**32 + low_b.double()).abs()
+    return diff, diff <= atol + rtol * scale
+
+
 def _compare(entry: _Entry, values: list[torch.Tensor], rtol: float, atol: float) -> str | None:
     """The text of a difference among ``values`` (one per rank of the entry's group), or None if the values
     are identical or within tolerance of the lowest rank's. Only the elements whose bits differ are converted
@@ -360,23 +387,25 @@ def _compare(entry: _Entry, values: list[torch.Tensor], rtol: float, atol: float
     if len(classes) == 1:
         return None
     exact = rtol == 0.0 and atol == 0.0
-    wide = torch.complex128 if ref.dtype.is_complex else torch.float64
-    numeric = ref.dtype != torch.bool
-    failing = exact or not numeric
-    worst_diff, worst_rank, worst_flat = -1.0, ref_rank, 0
+    failing = exact
+    worst_diff, worst_pos, worst_flat = -1.0, 0, 0  # the largest numeric difference
+    bits_pos, bits_flat = 0, -1  # the first difference of a dtype without arithmetic
     for pos in range(1, len(values)):
         where = _differing(ints[0], ints[pos])
-        if not numeric or len(where) == 0:
+        if len(where) == 0:
             continue
-        got = values[pos].reshape(-1)[where].to(wide)
-        want = ref.reshape(-1)[where].to(wide)
-        diff = (got - want).abs()
-        diff = torch.where(got.isnan() != want.isnan(), torch.full_like(diff, float("inf")), diff.nan_to_num(nan=0.0))
-        if not exact and bool((diff > atol + rtol * want.abs()).any()):
+        found = _differences(values[pos].reshape(-1)[where], ref.reshape(-1)[where], rtol, atol)
+        if found is None:
+            failing = True
+            if bits_flat < 0:
+                bits_pos, bits_flat = pos, int(where[0])
+            continue
+        diff, within = found
+        if not bool(within.all()):
             failing = True
         largest = int(diff.argmax())
         if float(diff[largest]) > worst_diff:
-            worst_diff, worst_rank, worst_flat = float(diff[largest]), entry.ranks[pos], int(where[largest])
+            worst_diff, worst_pos, worst_flat = float(diff[largest]), pos, int(where[largest])
     if not failing:
         return None
     dtype = str(ref.dtype).removeprefix("torch.")
@@ -384,53 +413,105 @@ def _compare(entry: _Entry, values: list[torch.Tensor], rtol: float, atol: float
     tol = "bit for bit" if exact else f"beyond rtol={rtol:g}, atol={atol:g}"
     text = f"{entry.name} ({dtype}{list(entry.shape)}) differs {tol}: {groups}"
     if worst_diff >= 0:
-        at = _unravel(worst_flat, ref.shape)
-        other = values[entry.ranks.index(worst_rank)]
-        text += (
-            f"; largest absolute difference {worst_diff:.6g} at index {at} "
-            f"(rank {ref_rank}: {_fmt(ref.reshape(-1)[worst_flat])}, "
-            f"rank {worst_rank}: {_fmt(other.reshape(-1)[worst_flat])})"
-        )
-    return text
+        head, pos, flat = f"largest absolute difference {worst_diff:.6g}", worst_pos, worst_flat
+    else:
+        head, pos, flat = "first difference", bits_pos, bits_flat
+    mine, theirs = _pair(ref.reshape(-1)[flat], values[pos].reshape(-1)[flat])
+    at = _unravel(flat, ref.shape)
+    return text + f"; {head} at index {at} (rank {ref_rank}: {mine}, rank {entry.ranks[pos]}: {theirs})"
 
 
 # -- the check ---------------------------------------------------------------------------------------------------
-def _agree_on_structure(entries: list[_Entry], pg: Any, ranks: tuple[int, ...]) -> _Finding | None:
-    """Gather every rank's list of (name, layout, group, shape, dtype) over the group; the first difference.
+#: How many names a message lists before "and N more".
+_NAMES_SHOWN = 5
 
-    The names, layouts and whether each is compared over the whole group must be the same on every rank: then
-    every rank issues the same collectives in the same order, and :func:`_verdict` decides alike everywhere."""
-    mine = [
+#: What each rank tells the others of one entry: (name, layout, group ranks, shape, dtype).
+_Described = tuple[str, str, tuple[int, ...], tuple[int, ...], str]
+
+
+def _agree_on_structure(entries: list[_Entry], pg: Any, ranks: tuple[int, ...]) -> tuple[list[_Entry], _Finding | None]:
+    """Gather every rank's entries, described, over the group: this rank's entries in the lowest rank's order, and
+    the first difference of structure (or None).
+
+    Entries are matched by name (a dict compares by key, whatever order it was filled in), then put in the lowest
+    rank's order: every rank then issues the same collectives in the same order, and :func:`_verdict` decides
+    alike everywhere."""
+    mine: list[_Described] = [
         (e.name, f"{e.layout}{'' if e.ranks == ranks else ' (subgroup)'}", e.ranks, e.shape, str(e.dtype))
         for e in entries
     ]
     everyone: list[Any] = [None] * len(ranks)
     dist.all_gather_object(everyone, mine, group=pg)
-    names = [[(name, layout) for name, layout, *_ in theirs] for theirs in everyone]
-    if any(n != names[0] for n in names):
-        by: dict[str, list[int]] = {}
-        for rank, n in zip(ranks, names):
-            by.setdefault(repr(n), []).append(rank)
-        firsts = []
-        for members in by.values():
-            held = names[ranks.index(members[0])]
-            shown = ", ".join(name for name, _ in held[:4]) + (", ..." if len(held) > 4 else "")
-            firsts.append(f"ranks {members} hold {len(held)} ({shown})")
-        return _Finding(-1, (), "the ranks hold different tensors: " + " vs ".join(firsts))
-    for index in range(len(entries)):
+    order, finding = _match_structure(everyone, ranks)
+    if finding is not None:
+        return entries, finding
+    by_key = {(name, layout): entry for (name, layout, *_), entry in zip(mine, entries)}
+    return [by_key[key] for key in order], None
+
+
+def _match_structure(
+    everyone: Sequence[Sequence[_Described]], ranks: tuple[int, ...]
+) -> tuple[list[tuple[str, str]], _Finding | None]:
+    """The keys (name, layout) in the lowest rank's order and the first difference of structure among every
+    rank's described entries (``everyone[i]`` of ``ranks[i]``), or None. The same on every rank, from the same
+    gathered lists: a name held twice by a rank (two dict keys with the same ``repr``) raises InvalidArgument on
+    every rank, which cannot tell them apart."""
+    keyed: list[dict[tuple[str, str], _Described]] = []
+    for rank, theirs in zip(ranks, everyone):
+        held: dict[tuple[str, str], _Described] = {}
+        for described in theirs:
+            key = (described[0], described[1])
+            if key in held:
+                raise InvalidArgument(
+                    f"assert_replicas: rank {rank} holds two tensors named {key[0]} (dict keys whose repr() is the "
+                    "same); replicas are matched by name across ranks: give them names that differ"
+                )
+            held[key] = described
+        keyed.append(held)
+    reference = list(keyed[0])
+    known = set(reference)
+    by_change: dict[tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]], list[int]] = {}
+    for rank, held in zip(ranks, keyed):
+        lacking = tuple(key for key in reference if key not in held)
+        extra = tuple(key for key in held if key not in known)
+        if lacking or extra:
+            by_change.setdefault((lacking, extra), []).append(rank)
+    if by_change:
+        changes = []
+        for (lacking, extra), members in by_change.items():
+            said = []
+            if lacking:
+                said.append(f"lack {_listed(lacking, set(extra))}")
+            if extra:
+                said.append(f"hold {_listed(extra, set(lacking))} extra")
+            changes.append(f"ranks {members} " + " and ".join(said))
+        text = (
+            f"the ranks hold different tensors (rank {ranks[0]} holds {len(reference)}: "
+            f"{_listed(tuple(reference), set())}): " + "; ".join(changes)
+        )
+        return reference, _Finding(-1, (), text)
+    for index, key in enumerate(reference):
         by_group: dict[tuple[int, ...], dict[tuple[Any, ...], list[int]]] = {}
-        for rank, theirs in zip(ranks, everyone):
-            _, _, group_ranks, shape, dtype = theirs[index]
-            by_group.setdefault(group_ranks, {}).setdefault((tuple(shape), dtype), []).append(rank)
+        for rank, held in zip(ranks, keyed):
+            _, _, group_ranks, shape, dtype = held[key]
+            by_group.setdefault(tuple(group_ranks), {}).setdefault((tuple(shape), dtype), []).append(rank)
         for group_ranks, kinds in sorted(by_group.items()):
             if len(kinds) > 1:
                 kinds_text = " vs ".join(
                     f"ranks {members} {dtype.removeprefix('torch.')}{list(shape)}"
                     for (shape, dtype), members in kinds.items()
                 )
-                name = everyone[0][index][0]
-                return _Finding(index, group_ranks, f"{name} has different shapes or dtypes: {kinds_text}")
-    return None
+                return reference, _Finding(index, group_ranks, f"{key[0]} has different shapes or dtypes: {kinds_text}")
+    return reference, None
+
+
+def _listed(keys: tuple[tuple[str, str], ...], others: set[tuple[str, str]]) -> str:
+    """Names for a message, the first few; a name that is also among ``others`` under another layout (a DTensor
+    on one rank, a tensor on another) with its layout."""
+    names_elsewhere = {name for name, _ in others}
+    shown = [name if name not in names_elsewhere else f"{name} ({layout})" for name, layout in keys[:_NAMES_SHOWN]]
+    more = len(keys) - _NAMES_SHOWN
+    return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
 
 
 def _slots(entries: list[_Entry]) -> dict[tuple[int, ...], list[int]]:
@@ -444,17 +525,17 @@ def _slots(entries: list[_Entry]) -> dict[tuple[int, ...], list[int]]:
 
 
 def _first_difference(entries: list[_Entry], rtol: float, atol: float) -> _Finding | None:
-    """Fingerprints over each group, values of the differing tensors; this rank's first finding."""
+    """Digests over each group, values of the differing tensors; this rank's first finding."""
     slots = _slots(entries)
     tensors = {i: _materialize(entries[i]) for indices in slots.values() for i in indices}
     differing: dict[tuple[int, ...], list[int]] = {}
     for ranks, indices in slots.items():
         group = entries[indices[0]].group
         device = _device_of(tensors[i] for i in indices)
-        prints = torch.stack([_fingerprint(tensors[i]).to(device) for i in indices])
+        prints = _digests([tensors[i] for i in indices]).to(device)
         out = [torch.empty_like(prints) for _ in ranks]
         dist.all_gather(out, prints, group=group)
-        stacked = torch.stack([o.cpu() for o in out])  # [ranks, entries, 2]
+        stacked = torch.stack([o.cpu() for o in out])  # [ranks, entries, digest words]
         same = (stacked == stacked[0]).all(dim=2).all(dim=0)
         differing[ranks] = [i for i, ok in zip(indices, same.tolist()) if not ok]
     found: list[_Finding] = []
@@ -529,7 +610,7 @@ def assert_replicas(
     pg, ranks = _resolve_group(group)
     label, entries = _entries(module_or_tensors, pg, ranks)
     label = what or label
-    finding = _agree_on_structure(entries, pg, ranks)
+    entries, finding = _agree_on_structure(entries, pg, ranks)
     if finding is None:
         finding = _verdict(_first_difference(entries, r, a), entries, pg, ranks)
     if finding is None:
