@@ -321,12 +321,12 @@ def test_trace_option_writes_dumps_beside_the_trace(pytester: pytest.Pytester) -
     pytester.makepyfile(test_specs=_PLUGIN_TESTS)
     result = pytester.runpytest_inprocess("--dstest-trace=traces", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
-    for test in ("test_passes", "test_desync"):
-        dumps = pytester.path / "traces" / f"test_specs.py_{test}_threaded-ws2.fr" / "run-1"
-        assert sorted(os.listdir(dumps)) == [f"{FR_PREFIX}0", f"{FR_PREFIX}1"]
+    for test in ("test_passes", "test_desync"):  # the test id made readable, then a digest of it
+        (dumps,) = (pytester.path / "traces").glob(f"test_specs.py_{test}_threaded-ws2-{'[0-9a-f]' * 10}.fr")
+        assert sorted(os.listdir(dumps / "run-1")) == [f"{FR_PREFIX}0", f"{FR_PREFIX}1"]
     result.stdout.fnmatch_lines([
-        "*flight-recorder dumps of this run: traces/test_specs.py_test_desync_threaded-ws2.fr/run-1*",
-        "*traces/test_specs.py_test_desync_threaded-ws2.fr/run-1 (flight-recorder dumps; read with: python -m*",
+        "*flight-recorder dumps of this run: traces/test_specs.py_test_desync_threaded-ws2-*.fr/run-1*",
+        "*traces/test_specs.py_test_desync_threaded-ws2-*.fr/run-1 (flight-recorder dumps; read with: python -m*",
     ])  # fmt: skip
 
 
@@ -334,8 +334,9 @@ def test_flight_recorder_option_writes_failing_runs_only(pytester: pytest.Pytest
     pytester.makepyfile(test_specs=_PLUGIN_TESTS)
     result = pytester.runpytest_inprocess("--dstest-flight-recorder=fr", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
-    assert os.listdir(pytester.path / "fr") == ["test_specs.py_test_desync_threaded-ws2"]
-    dumps = pytester.path / "fr" / "test_specs.py_test_desync_threaded-ws2" / "run-1"
+    (name,) = os.listdir(pytester.path / "fr")
+    assert name.startswith("test_specs.py_test_desync_threaded-ws2-"), name
+    dumps = pytester.path / "fr" / name / "run-1"
     result.stdout.fnmatch_lines(
         [f"*flight-recorder dumps of this run: fr/*/run-1 (read them with: python -m *{FR_PREFIX})"]
     )
@@ -360,3 +361,57 @@ def test_a_large_fake_world_dumps_only_its_simulated_ranks(tmp_path: Any) -> Non
     dumps = _load(tmp_path)
     assert dumps[4095]["pg_config"]["0"]["ranks"] == str(list(range(4096)))
     assert [e["profiling_name"] for e in dumps[4095]["entries"]] == ["nccl:all_reduce"]
+
+
+# Four failing tests whose ids the old file names could not keep apart: two share their first 210 characters
+# (a name was the id cut to 200), two differ only in a character the file name replaces (" " and "_" both
+# became "_"). Each desyncs on an all_reduce of its own size, so a dump says whose it is.
+_LONG_IDS = """
+import pytest, torch, torch.distributed as dist, dstest
+
+LONG = "x" * 210
+
+@pytest.mark.parametrize("n", [3, 5, 7, 9], ids=[LONG + "-one", LONG + "-two", "a b", "a_b"])
+@dstest.spec(world_size=[2], worlds=["threaded"])
+def test_desync(ctx, n):
+    dist.all_reduce(torch.ones(n))
+    if ctx.rank == 1:
+        dist.all_reduce(torch.ones(n))
+"""
+
+
+def _sizes(dumps: Any) -> set[int]:
+    """The sizes of the all_reduces a run's dumps hold (each test of ``_LONG_IDS`` has its own)."""
+    sizes = set()
+    for name in os.listdir(dumps):
+        with open(os.path.join(dumps, name), "rb") as f:
+            sizes |= {size[0] for entry in pickle.load(f)["entries"] for size in entry["input_sizes"]}
+    return sizes
+
+
+def test_g6_every_test_id_has_its_own_dumps_and_trace(pytester: pytest.Pytester) -> None:
+    """Contract G6: two test ids never share a dump directory or a trace file, however long or however
+    alike once made a file name; each failure report names the dumps of its own test."""
+    pytester.makepyfile(test_specs=_LONG_IDS)
+    rec = pytester.inline_run("--dstest-flight-recorder=fr", "--dstest-trace=traces", "-p", "no:cacheprovider")
+    failures = rec.getfailures()
+    assert len(failures) == 4
+    size_of = {"-one]": 3, "-two]": 5, "a b]": 7, "a_b]": 9}
+    fr_dirs, trace_files = set(), set()
+    for report in failures:
+        n = next(size for end, size in size_of.items() if report.nodeid.endswith(end))
+        text = report.longreprtext
+        fr = next(line for line in text.splitlines() if "flight-recorder dumps of this run: fr/" in line)
+        fr_run = fr.split("flight-recorder dumps of this run: ")[1].split(" (read them")[0]
+        assert _sizes(pytester.path / fr_run) == {n}, (report.nodeid, fr_run)
+        fr_dirs.add(os.path.dirname(fr_run))
+        section = dict(report.sections)["Captured dstest trace call"]
+        trace, dumps = (line.split(" (")[0] for line in section.splitlines())
+        with open(pytester.path / trace, encoding="utf-8") as f:
+            assert report.nodeid in f.read(), trace  # the run's label, the track names
+        assert _sizes(pytester.path / dumps) == {n}, (report.nodeid, dumps)
+        trace_files.add(trace)
+        assert len(os.path.basename(trace)) <= 255 and len(os.path.basename(os.path.dirname(fr_run))) <= 255
+    assert len(fr_dirs) == 4 and len(trace_files) == 4
+    assert len(os.listdir(pytester.path / "fr")) == 4
+    assert len([p for p in os.listdir(pytester.path / "traces") if p.endswith(".json")]) == 4

@@ -234,7 +234,10 @@ def test_option_writes_a_trace_per_test(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_inprocess("--dstest-trace=traces", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2, failed=1)
     files = sorted(f for f in os.listdir(pytester.path / "traces") if f.endswith(".json"))
-    assert files == ["test_specs.py_test_fails_threaded-ws2.json", "test_specs.py_test_passes_threaded-ws2.json"]
+    # the test id made readable, then a digest of the whole id (G6: no two ids share a file)
+    readable = [f[:-16] for f in files]
+    assert readable == ["test_specs.py_test_fails_threaded-ws2", "test_specs.py_test_passes_threaded-ws2"]
+    assert all(re.fullmatch(r"-[0-9a-f]{10}\.json", f[-16:]) for f in files), files
     # beside each trace, the flight-recorder dumps of its runs (tests/test_flight_recorder.py reads them)
     assert sorted(os.listdir(pytester.path / "traces")) == sorted([*files, *(f[:-5] + ".fr" for f in files)])
     for name in files:
@@ -249,7 +252,8 @@ def test_a_failing_test_leaves_its_trace_in_the_cache(pytester: pytest.Pytester)
     result = pytester.runpytest_inprocess()
     result.assert_outcomes(passed=2, failed=1)
     folder = pytester.path / ".pytest_cache" / "d" / "dstest-traces"
-    assert os.listdir(folder) == ["test_specs.py_test_fails_threaded-ws2.json"]
+    (name,) = os.listdir(folder)
+    assert re.fullmatch(r"test_specs\.py_test_fails_threaded-ws2-[0-9a-f]{10}\.json", name), name
 
 
 def test_trace_option_refuses_a_file(pytester: pytest.Pytester) -> None:

@@ -234,10 +234,22 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
 
 
 def _file_name(item: pytest.Item) -> str:
-    """The test id as a file name (the trace is ``<name>.json``, flight-recorder dumps ``<name>.fr``)."""
+    """The test id as a file name of its own (the trace is ``<name>.json``, flight-recorder dumps
+    ``<name>.fr``): the id made readable, then ``-`` and ten hex digits of a digest of the whole id.
+
+    The digest is always there. A readable name alone cannot tell every pair of ids apart: ids longer than
+    the name are cut (parametrized ids share long prefixes), and characters a file name should not hold
+    become ``_``, so ``t[a b]`` and ``t[a_b]`` read the same; and every id has ``::``, so no id makes a
+    name that could not also come from another. A digest only in some cases would need a rule for which,
+    which a reader of the directory cannot check; the digest of the id alone keeps a test's name the same in
+    every run and every xdist worker, without knowing the other tests.
+    """
+    import hashlib
     import re
 
-    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", item.nodeid).strip("_")[:200]
+    readable = re.sub(r"[^A-Za-z0-9_.=-]+", "_", item.nodeid).strip("_")[:189]
+    digest = hashlib.blake2b(item.nodeid.encode("utf-8", "surrogatepass"), digest_size=5).hexdigest()
+    return f"{readable}-{digest}"  # at most 200 characters, before ``.json`` or ``.fr``
 
 
 def _write_trace(item: pytest.Item, rec: Any, failed: bool) -> None:
