@@ -36,6 +36,7 @@ _EXPORTS = {
     "CollectiveMismatch": "dstest.errors",
     "Deviation": "dstest.errors",
     "DstestError": "dstest.errors",
+    "FaultNotFired": "dstest.errors",
     "InvalidArgument": "dstest.errors",
     "InvalidSpec": "dstest.errors",
     "InvalidWorldSize": "dstest.errors",
@@ -81,6 +82,9 @@ if TYPE_CHECKING:
     )
     from dstest.errors import (
         DstestError as DstestError,
+    )
+    from dstest.errors import (
+        FaultNotFired as FaultNotFired,
     )
     from dstest.errors import (
         InvalidArgument as InvalidArgument,

@@ -11,6 +11,7 @@ __all__ = [
     "CollectiveMismatch",
     "Deviation",
     "DstestError",
+    "FaultNotFired",
     "InvalidArgument",
     "InvalidSpec",
     "InvalidWorldSize",
@@ -114,6 +115,15 @@ class StateLeftBehind(UserWarning):
     """A run changed module-level state of a watched package in a warm worker (``RunRequest.watch_modules``):
     a fresh process would not have seen it in the next test. dstest put it back; the message names each
     ``module.name`` and what was done. A finding about the code under test, not a failure."""
+
+
+class FaultNotFired(DstestError, AssertionError):
+    """An injected fault (contract G5, ``dstest.faults``) never fired by the end of a run that otherwise passed:
+    its rank never reached the call it names, so the run did not test the recovery it was meant to test.
+
+    The message names each such fault and the calls its rank did make of that op (and on which groups). A
+    fault that is meant to fire only on some runs says so with ``optional=True``.
+    """
 
 
 class WorkerDied(DstestError, RuntimeError):

@@ -2,7 +2,7 @@
 
 ::
 
-    from dstest.faults import Kill, Fail, Delay, Killed, InjectedFault
+    from dstest.faults import Kill, Fail, Delay, Killed, InjectedFault, FaultNotFired
 
     dstest.run(train, 3, world="process", faults=[Kill(rank=2, op="all_reduce", nth=2)])
 
@@ -13,6 +13,11 @@
 - ``Fail(rank, op, nth, group=None)``: that call raises :class:`InjectedFault` on the rank, and on every
   peer that joins the same collective.
 - ``Delay(rank, op, nth, group=None, seconds=1.0)``: the rank sleeps before that call, then makes it.
+
+A fault that did not fire by the end of a run that otherwise passed fails it with :class:`FaultNotFired`,
+naming the fault and the calls its rank made of that op: a recovery test whose fault names a call the code
+never makes tests nothing. A fault meant to fire only in some runs says so: ``Kill(1, op="broadcast",
+optional=True)``.
 
 The peers of a killed rank see what gloo or NCCL with async error handling gives them: the collectives
 (or their waits) that need the dead rank raise :class:`InjectedFault` at once, a
@@ -27,7 +32,8 @@ See docs/faults.md for a worked recovery example.
 
 from __future__ import annotations
 
+from dstest.errors import FaultNotFired
 from dstest.worlds.core.faults import FAULT_OPS, Delay, Fail, Fault, Kill, Killed
 from dstest.worlds.injected import InjectedFault
 
-__all__ = ["FAULT_OPS", "Delay", "Fail", "Fault", "InjectedFault", "Kill", "Killed"]
+__all__ = ["FAULT_OPS", "Delay", "Fail", "Fault", "FaultNotFired", "InjectedFault", "Kill", "Killed"]

@@ -240,6 +240,8 @@ def test_spec_with_a_kill_passes_when_the_survivor_recovers(ctx: Any) -> None:
         (lambda: Kill(0, group="tp"), r"group must be None \(any group\), 'world'"),
         (lambda: Kill(0, group=[]), r"a group is given by its global ranks"),
         (lambda: Delay(0, seconds=-1), r"Delay\(seconds=-1\): seconds must be a finite number"),
+        (lambda: Kill(0, optional=1), r"Kill\(optional=1\): optional must be True or False"),
+        (lambda: Fail(0, optional="yes"), r"Fail\(optional='yes'\): optional must be True or False"),
         (lambda: RunRequest(plain_sum, 3, faults=[Kill(3)]), r"rank 3 is not a rank of a world of 3"),
         (lambda: RunRequest(plain_sum, 3, faults=[Kill(0, group=[1, 2])]), r"group \[1, 2\] must hold rank 0"),
         (lambda: RunRequest(plain_sum, 3, faults="Kill"), r"faults='Kill': must be a list"),
@@ -337,3 +339,125 @@ def test_work_a_killed_rank_posted_never_completes(world: str) -> None:
     assert results[1] == Killed(1, "all_reduce #2 on any group")
     for r in (0, 2):
         assert results[r].startswith("collective on group world (seq 1) cannot complete: rank 1 was killed"), results[r]
+
+
+# -- a fault that never fires fails the run (issue 40, finding 2) ------------------------------------------
+def all_reduce_then_barrier(ctx: Any) -> str:
+    """Two all_reduces and a barrier on the world: no broadcast anywhere."""
+    dist.all_reduce(torch.ones(1))
+    dist.all_reduce(torch.ones(1))
+    dist.barrier()
+    return "done"
+
+
+def _not_fired(world: str, fn: Any, faults: list[Any], world_size: int = 2, **kw: Any) -> str:
+    with pytest.raises(dstest.FaultNotFired) as info:
+        _run(world, fn, world_size, faults=faults, **kw)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_fault_whose_op_never_comes_fails_the_run(world: str) -> None:
+    text = _not_fired(world, all_reduce_then_barrier, [Kill(rank=1, op="broadcast")])
+    assert (
+        "Kill(rank=1, op='broadcast', nth=1) never fired: rank 1 made no broadcast call "
+        "(its collectives: all_reduce x2, barrier x1)"
+    ) in text
+    assert "optional=True" in text  # the way out for a fault meant to fire only sometimes
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_fault_whose_nth_call_never_comes_fails_the_run(world: str) -> None:
+    text = _not_fired(world, all_reduces, [Fail(rank=0, op="all_reduce", nth=5)], kwargs={"n": 2})
+    assert "Fail(rank=0, op='all_reduce', nth=5) never fired: rank 0 made 2 all_reduce calls on any group" in text
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_fault_on_a_group_names_the_calls_on_that_group_and_on_any(world: str) -> None:
+    text = _not_fired(world, subgroup_all_reduces, [Delay(rank=0, nth=2, group=[0, 1], seconds=0)], 3)
+    assert (
+        "Delay(rank=0, op='all_reduce', nth=2, group=[0, 1], seconds=0) never fired: rank 0 made 1 all_reduce "
+        "call on group [0, 1] (2 on any group)"
+    ) in text
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_fault_that_never_fired_is_named_and_those_that_fired_are_not(world: str) -> None:
+    faults = [Delay(0, nth=1, seconds=0), Delay(1, nth=3, seconds=0), Fail(0, op="broadcast", nth=2)]
+    text = _not_fired(world, all_reduce_then_barrier, faults)
+    assert "Delay(rank=1, op='all_reduce', nth=3, seconds=0) never fired: rank 1 made 2 all_reduce calls" in text
+    assert "Fail(rank=0, op='broadcast', nth=2) never fired: rank 0 made no broadcast call" in text
+    assert "Delay(rank=0, op='all_reduce', nth=1" not in text  # it fired
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_an_optional_fault_may_not_fire(world: str) -> None:
+    results, _ = _run(world, all_reduce_then_barrier, 2, faults=[Kill(rank=1, op="broadcast", optional=True)])
+    assert results == ["done", "done"]
+    results, _ = _run(world, all_reduces, 2, faults=[Kill(rank=1, nth=2, optional=True)])  # it may fire, too
+    assert results[1] == Killed(1, "all_reduce #2 on any group")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_the_other_faults_of_a_killed_rank_never_fired(world: str) -> None:
+    """Rank 1 dies at its 1st all_reduce: its Fail at the 3rd never comes; the survivor catches its error."""
+    faults = [Kill(1, nth=1), Fail(1, nth=3)]
+    text = _not_fired(world, all_reduces, faults, kwargs={"n": 3})
+    assert (
+        "Fail(rank=1, op='all_reduce', nth=3) never fired: rank 1 was killed first, by "
+        "Kill(rank=1, op='all_reduce', nth=1) at its all_reduce #1 on any group"
+    ) in text
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_run_that_fails_anyway_keeps_its_failure_and_notes_the_fault(world: str) -> None:
+    with pytest.raises(dstest.RankFailure) as info:
+        _run(world, survivor_raises, 2, faults=[Kill(1), Fail(0, op="broadcast")])
+    text = str(info.value)
+    assert "rank 0: InjectedFault: rank 1 was killed by an injected fault" in text
+    assert "injected faults that never fired: Fail(rank=0, op='broadcast', nth=1) never fired" in text
+
+
+def test_not_fired_has_the_same_text_in_both_worlds() -> None:
+    faults = [Kill(1, op="broadcast"), Fail(0, nth=5), Delay(1, op="barrier", nth=2, group="world", seconds=0)]
+    texts = {world: _not_fired(world, all_reduce_then_barrier, faults) for world in WORLDS}
+    assert texts["threaded"] == texts["process"]
+    assert texts["threaded"].count("never fired:") == 3
+
+
+@dstest.spec(world_size=2, worlds=["threaded", "process"], faults=[Fail(0, op="broadcast", optional=True)])
+def test_spec_with_an_optional_fault_that_never_fires_passes(ctx: Any) -> None:
+    dist.all_reduce(torch.ones(1))
+
+
+_UNFIRED_SPEC = """
+import torch, torch.distributed as dist, dstest
+from dstest.faults import Kill
+
+@dstest.spec(world_size=[2], worlds=["threaded"], faults=[Kill(1, op="broadcast")])
+def test_never_broadcasts(ctx):
+    dist.all_reduce(torch.ones(1))
+"""
+
+
+def test_a_spec_whose_fault_never_fires_fails(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_unfired=_UNFIRED_SPEC)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*FaultNotFired: an injected fault never fired*",
+            "*Kill(rank=1, op='broadcast', nth=1) never fired: rank 1 made no broadcast call*",
+        ]
+    )
+
+
+def test_a_fault_whose_call_another_fault_took_never_fired() -> None:
+    """``group=None`` and ``group="world"`` can name the same call: the first of the list fires there."""
+    tally = RankFaults([Kill(0, nth=1), Delay(0, nth=1, group="world", seconds=0)], 0)
+    assert tally.hit("all_reduce", True, [0, 1]) == Kill(0, nth=1)
+    assert tally.not_fired() == [
+        "Delay(rank=0, op='all_reduce', nth=1, group='world', seconds=0) never fired: "
+        "Kill(rank=0, op='all_reduce', nth=1) fired at the same call, its all_reduce #1 on any group "
+        "(give one fault per call)"
+    ]

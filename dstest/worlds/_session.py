@@ -46,7 +46,16 @@ from dstest.worlds import _collectives as C
 from dstest.worlds import _hazards
 from dstest.worlds import torch_internals as _compat
 from dstest.worlds.core import c10d, matching
-from dstest.worlds.core.faults import Fault, Kill, RankFaults, failed_text, killed_phrase, plan_for
+from dstest.worlds.core.faults import (
+    Fault,
+    Kill,
+    RankFaults,
+    failed_text,
+    killed_phrase,
+    not_fired_error,
+    not_fired_note,
+    plan_for,
+)
 from dstest.worlds.core.matching import FINISHED, Exchange
 from dstest.worlds.injected import InjectedFault, RankKilled
 
@@ -291,10 +300,18 @@ class Session:
             raise RankKilled(fault)
 
     def fault_note(self) -> str:
-        """For a failure report: the run's injected faults, and which fired."""
+        """For a failure report: the run's injected faults, which fired, and which never did."""
         if not self.fired and self.faults is None:
             return ""
-        return "\ninjected faults that fired: " + ("; ".join(f.describe() for f in self.fired) or "none")
+        fired = "; ".join(f.describe() for f in self.fired) or "none"
+        return "\ninjected faults that fired: " + fired + not_fired_note(self.faults or ())
+
+    def raise_not_fired(self) -> None:
+        """After a run that passed: raise :class:`~dstest.errors.FaultNotFired` when one of its faults never
+        fired (contract G5); the ranks are done, so their counters are final."""
+        err = not_fired_error(self.faults or ())
+        if err is not None:
+            raise err
 
     # -- collectives ---------------------------------------------------------------------------------
     def arrive(self, group: Any, call: C.Call, fail: Fault | None = None) -> CollectiveWait:

@@ -361,6 +361,7 @@ class _WarmCrew:
         if outcome.failures:
             notes += session.rng_note() + session.shared_globals.note() + session.fault_note()
         outcome.raise_failures(notes)
+        session.raise_not_fired()
         return outcome.results
 
     def usable(self) -> bool:
@@ -559,4 +560,5 @@ class ThreadedWorld:
         if outcome.failures and isinstance(session, ThreadedSession):
             notes += session.rng_note() + session.shared_globals.note() + session.fault_note()
         outcome.raise_failures(notes)
+        session.raise_not_fired()
         return outcome.results

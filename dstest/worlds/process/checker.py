@@ -126,10 +126,11 @@ class _Checker:
             self.recorder = _trace.Recorder(self.world_size, "process", callers=3)
 
     def kill(self, fault: Fault) -> None:
-        """An injected Kill: tell the referee (so the peers' calls that need this rank fail at once), then
-        die as a killed process does: SIGKILL, no cleanup, no reply."""
+        """An injected Kill: tell the referee (so the peers' calls that need this rank fail at once; with the
+        rank's fault counters, for the faults that never fired), then die as a killed process does: SIGKILL,
+        no cleanup, no reply."""
         with contextlib.suppress(EOFError, OSError):
-            self._send(("killed", self.run_id, fault))
+            self._send(("killed", self.run_id, fault, self.faults))
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()

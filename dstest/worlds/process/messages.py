@@ -52,6 +52,7 @@ class _Reply(NamedTuple):
     unhealthy: str | None  # why this worker cannot serve another run (it destroyed the world group, ...)
     trace: Any = None  # the rank's collective records and totals (_trace.Recorder.export), gloo pools
     left_behind: tuple[str, ...] = ()  # module-level state the run changed in watched modules, put back
+    faults: Any = None  # the rank's injected-fault counters at the end of the run (RankFaults), contract G5
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from dstest.errors import (
 )
 from dstest.resets import registered as registered_resets
 from dstest.worlds._failures import format_stacks
-from dstest.worlds.core.faults import Killed
+from dstest.worlds.core.faults import Killed, not_fired_error, not_fired_note
 from dstest.worlds.process.launch import _free_port, _mp_context, _threads_per_rank, start_fork_server
 from dstest.worlds.process.messages import _STOP, _Command, _FnRef, _PoolKey, _Reply, _unpickle_exception, _WorkerConfig
 from dstest.worlds.process.referee import _Referee
@@ -291,8 +291,11 @@ class _Pool:
         W = self.key.world_size
         log_starts = {w.rank: _file_size(w.cfg.log_path) for w in self.workers}
         killed: dict[int, Any] = {}  # ranks an injected Kill ended -> the fault (contract G5)
+        tallies: dict[int, Any] = {}  # their fault counters (RankFaults) when they died
         try:
-            replies, dead, first_failure = self._exchange(run_id, blob, request.timeout, request.strict_shapes, killed)
+            replies, dead, first_failure = self._exchange(
+                run_id, blob, request.timeout, request.strict_shapes, killed, tallies
+            )
         except BaseException:
             self.kill()  # interrupted (Ctrl-C) mid-run: only a fresh pool is in a known state
             raise
@@ -305,9 +308,13 @@ class _Pool:
         unhealthy = {r: rep.unhealthy for r, rep in replies.items() if rep.unhealthy}
         if unhealthy or killed:
             self.stop()  # the caller starts a fresh pool for the next run
+        tallies.update((r, rep.faults) for r, rep in replies.items())
         if any(not rep.ok for rep in replies.values()):
-            note = _fault_note(request.faults, killed)
+            note = _fault_note(request.faults, killed) + not_fired_note(tallies.values())
             raise _rank_failure(self._label(), W, replies, {}, pool_replaced=bool(unhealthy or killed), note=note)
+        not_fired = not_fired_error(tallies.values())
+        if not_fired is not None:
+            raise not_fired
         results: list[Any] = []
         for r in range(W):
             if r in killed:
@@ -379,11 +386,18 @@ class _Pool:
             raise _rank_failure(label, W, replies, aborted, pool_replaced=True)
 
     def _exchange(
-        self, run_id: int, blob: bytes, timeout: float, strict_shapes: bool, killed: dict[int, Any]
+        self,
+        run_id: int,
+        blob: bytes,
+        timeout: float,
+        strict_shapes: bool,
+        killed: dict[int, Any],
+        tallies: dict[int, Any],
     ) -> tuple[dict[int, _Reply], list[_Worker], float | None]:
         """Send the run to every worker and gather replies until all came, one died, the run timed out, or
         the others had FAILURE_GRACE seconds after a failure. A worker that an injected Kill ended (it told
-        the referee first) goes into ``killed``, not ``dead``: the run goes on without it."""
+        the referee first) goes into ``killed``, not ``dead``: the run goes on without it; its fault counters
+        go into ``tallies``."""
         deadline = time.monotonic() + timeout
         replies: dict[int, _Reply] = {}
         dead: list[_Worker] = []
@@ -440,6 +454,8 @@ class _Pool:
                             self._referee_messages(referee, w)  # its last words: an injected Kill?
                         if referee is not None and w.rank in referee.killed:
                             killed[w.rank] = referee.killed[w.rank]
+                            if w.rank in referee.tallies:
+                                tallies[w.rank] = referee.tallies[w.rank]
                             sel.unregister(w.conn)
                             sel.unregister(w.process.sentinel)
                         else:

@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
 from dstest.worlds.core import matching
-from dstest.worlds.core.faults import Fault, killed_phrase
+from dstest.worlds.core.faults import Fault, RankFaults, killed_phrase
 from dstest.worlds.core.matching import FINISHED, Exchange
 
 
@@ -49,6 +49,7 @@ class _Referee:
         self.done: dict[int, str] = {}  # rank -> "finished its function" | "failed (...)"
         self.failed: set[int] = set()
         self.killed: dict[int, Fault] = {}  # ranks an injected Kill ended (contract G5)
+        self.tallies: dict[int, RankFaults] = {}  # their fault counters when they died
 
     # -- messages ---------------------------------------------------------------------------------------
     def handle(self, rank: int, blob: bytes) -> None:
@@ -68,6 +69,8 @@ class _Referee:
             self._done(rank, bool(msg[2]), str(msg[3]))
         elif kind == "killed":  # an injected Kill: the worker kills itself right after this message
             self.killed[rank] = msg[2]
+            if len(msg) > 3 and msg[3] is not None:
+                self.tallies[rank] = msg[3]
             self._done(rank, False, "")
 
     def _send(self, rank: int, msg: tuple[Any, ...]) -> None:

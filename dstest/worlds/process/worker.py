@@ -293,7 +293,8 @@ class _Server:
         unhealthy = self._end_run() or check_unhealthy
         trace = self.checker.recorder.export(rank) if self.checker is not None else None
         output = self._output_since(start)
-        return _Reply(run_id, rank, ok, result, tb, exc_blob, output, unhealthy, trace, tuple(left_behind))
+        tally = self.checker.faults if self.checker is not None else None  # which faults fired (contract G5)
+        return _Reply(run_id, rank, ok, result, tb, exc_blob, output, unhealthy, trace, tuple(left_behind), tally)
 
     def _watch(self, prefixes: tuple[str, ...]) -> None:
         """Start watching the module-level state of ``prefixes`` (at the first run that names them)."""
