@@ -71,7 +71,8 @@ class AllGather(_IntoList):
             )
 
     def key(self) -> tuple[Any, ...]:
-        return (*super().key(), self.inp.dtype, tuple(self.sig(o)[1] for o in self.outs))
+        # The input's dtype and device type (ranks may bring other sizes), and every rank's output size.
+        return (*super().key(), self.sig(self.inp)[::2], tuple(self.sig(o)[1] for o in self.outs))
 
     def check_all(self, calls: Sequence[Call]) -> str | None:
         for i, c in enumerate(calls):
@@ -220,7 +221,7 @@ class AllToAllSingle(Call):
         )
 
     def key(self) -> tuple[Any, ...]:
-        return (*super().key(), self.inp.dtype, tuple(self.inp.shape[1:]))
+        return (*super().key(), self.sig(self.inp)[::2], tuple(self.inp.shape[1:]))  # (dtype, device type)
 
     def check_all(self, calls: Sequence[Call]) -> str | None:
         for i, src in enumerate(calls):

@@ -22,6 +22,7 @@ the process world's parent can referee without torch's collectives and the rules
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
@@ -46,6 +47,9 @@ __all__ = [
 
 #: How a rank that returned from its function is named in the texts (a failed rank: "failed (...)").
 FINISHED = "finished its function"
+
+#: A rank as ``Call.check_all`` names it (by group rank), to be named by its global rank.
+_RANK = re.compile(r"\brank (\d+)\b")
 
 
 # -- buffers -----------------------------------------------------------------------------------------------
@@ -132,13 +136,19 @@ class Exchange:
         return None
 
     def verdict(self) -> str | None:
-        """Once every rank joined: why the calls together cannot run (``Call.check_all``), or None."""
+        """Once every rank joined: why the calls together cannot run (``Call.check_all``), or None.
+
+        ``check_all`` sees the calls indexed by group rank and names ranks so ("rank 1 sends ... to rank
+        0"); on a subgroup those are not the ranks a user knows, so they are named by their global ranks,
+        as in every other message."""
         calls = self.calls
         why = calls[0].check_all(calls)
         if why is None:
             return None
+        g = self.global_ranks
+        why = _RANK.sub(lambda m: f"rank {g[int(m[1])]}", why)
         return f"collective mismatch on {self.where}: {why}; calls: " + "; ".join(
-            f"rank {g} called {c.describe()}" for g, c in zip(self.global_ranks, calls)
+            f"rank {r} called {c.describe()}" for r, c in zip(g, calls)
         )
 
     def waiting_for(self) -> list[int]:
