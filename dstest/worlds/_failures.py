@@ -14,9 +14,11 @@ import sys
 import threading
 import time
 import traceback
+from types import FrameType
 from typing import Any
 
 from dstest.errors import RankFailure, WorldAborted, WorldTimeout
+from dstest.worlds import build_locks
 
 __all__ = ["Outcome", "format_stacks", "reap", "stacks_of", "stuck_threads", "timeout_error"]
 
@@ -88,17 +90,22 @@ class Outcome:
             raise err
 
 
-def stacks_of(threads: list[threading.Thread]) -> dict[int, str]:
+def _current_frames() -> dict[int, FrameType]:
     # CPython 3.11 (gh-106883): a garbage collection triggered inside sys._current_frames() while it holds
     # the runtime's thread-list lock can finalize a threading.local, which takes that lock again: the
     # process hangs. Keep the collector off for the call.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        frames = sys._current_frames()
+        return sys._current_frames()
     finally:
         if enabled:
             gc.enable()
+
+
+def stacks_of(threads: list[threading.Thread], frames: dict[int, FrameType] | None = None) -> dict[int, str]:
+    if frames is None:
+        frames = _current_frames()
     out = {}
     with _FORMAT_LOCK:
         for rank, t in enumerate(threads):
@@ -115,15 +122,22 @@ def format_stacks(stacks: dict[int, str]) -> str:
 def timeout_error(
     threads: list[threading.Thread], world_size: int, timeout: float, hung: list[int], outcome: Outcome | None = None
 ) -> WorldTimeout:
-    stacks = stacks_of(threads)
+    frames = _current_frames()
+    stacks = stacks_of(threads, frames)
     first = ""
     if outcome is not None:
         err = outcome.error()
         if err is not None:
             first = f"before the timeout: {err}\n"
+    # A rank waiting on a torch extension's build lock, or building: say which lock and whose (issue 40).
+    builds = build_locks.survey(
+        {r: s for r, s in stacks.items() if r in hung}, waited=build_locks.waited_locks(threads, frames)
+    )
+    headline = "" if builds is None else f"; {builds.headline()}"
+    notes = "" if builds is None else builds.report(stopped=False) + "\n"
     return WorldTimeout(
         f"world of {world_size} ranks ran past its timeout of {timeout:g} s; "
-        f"ranks still running: {hung}\n{first}" + format_stacks(stacks),
+        f"ranks still running: {hung}{headline}\n{first}{notes}" + format_stacks(stacks),
         stacks,
     )
 

@@ -29,6 +29,7 @@ from dstest.errors import (
     WorldTimeout,
 )
 from dstest.resets import registered as registered_resets
+from dstest.worlds import build_locks
 from dstest.worlds._failures import format_stacks
 from dstest.worlds.core.faults import Killed, not_fired_error, not_fired_note
 from dstest.worlds.process.launch import _free_port, _mp_context, _threads_per_rank, start_fork_server
@@ -364,21 +365,27 @@ class _Pool:
         missing = [w for w in self.workers if w.rank not in replies]
         if missing:  # always, when no worker died
             stacks = self._stacks(missing)
+            # Ranks waiting on a torch extension's build lock or building: surveyed while they live (to name a
+            # holder by rank), reported after the kill, which releases the locks they held (issue 40).
+            builds = build_locks.survey(stacks, pids={w.rank: w.pid for w in self.workers})
             for w in missing:
                 out = w.output_since(log_starts[w.rank])
                 if out:
                     stacks[w.rank] = stacks.get(w.rank, "(no stack)\n") + f"-- output during the run --\n{out}"
             self.kill()
+            headline = "" if builds is None else f"; {builds.headline()}"
+            notes = "" if builds is None else builds.report(stopped=True) + "\n"
             if first_failure is None:
                 raise WorldTimeout(
                     f"{label} ran {ref.qualname} past its timeout of {timeout:g} s; ranks still running: "
-                    f"{[w.rank for w in missing]}; the pool was replaced\n" + format_stacks(stacks),
+                    f"{[w.rank for w in missing]}; the pool was replaced{headline}\n{notes}" + format_stacks(stacks),
                     stacks,
                 )
             aborted = {
                 w.rank: (
                     f"rank {w.rank} did not finish within {FAILURE_GRACE:g} s of the failure (blocked in a "
-                    f"collective the failed rank never joined?) and was stopped; its stack:\n"
+                    f"collective the failed rank never joined?) and was stopped{headline}; its stack:\n"
+                    + notes
                     + stacks.get(w.rank, "(no stack)\n")
                 )
                 for w in missing
