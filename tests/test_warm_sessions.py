@@ -32,7 +32,7 @@ def test_process_ranks_agree(ctx):
     assert t.item() == 3.0
 
 def test_library_value():
-    assert mylib.VALUE == int(open(mylib.__file__).read().split("=")[1])
+    assert mylib.VALUE == _on_disk(mylib)
 
 def test_fails():
     assert 1 == 2
@@ -40,7 +40,12 @@ def test_fails():
 @dstest.spec(world_size=2, worlds=("process",))
 def test_workers_see_library_value(ctx):
     import mylib
-    assert mylib.VALUE == int(open(mylib.__file__).read().split("=")[1])
+    assert mylib.VALUE == _on_disk(mylib)
+
+def _on_disk(module):
+    import re
+    with open(module.__file__) as f:
+        return int(re.search(r"^VALUE = ([0-9]+)$", f.read(), re.M).group(1))
 """
 
 CONFTEST = """
@@ -154,3 +159,44 @@ def test_f3_a_package_pytest_rewrites_imported_by_the_preload_gives_no_new_warni
     assert FORKED in _header(warm), warm.outlines[:12]
     warm.assert_outcomes(passed=2)
     assert "PytestAssertRewriteWarning" not in warm.stdout.str(), warm.stdout.str()[-2000:]
+
+
+# ``mylib`` as imported by the warm server only: it says so (``hold/importing``) and waits for ``hold/go``, so
+# that a test can change the file while the server is importing it.
+HELD_LIB = """
+import os, sys, time
+_hold = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "hold")
+if os.path.basename(sys.argv[0]) == "warm.py" and os.path.isdir(_hold):  # python -m dstest.pytest.warm
+    open(os.path.join(_hold, "importing"), "w").close()
+    _until = time.monotonic() + 120
+    while not os.path.exists(os.path.join(_hold, "go")) and time.monotonic() < _until:
+        time.sleep(0.05)
+VALUE = 1
+"""
+
+
+def test_f3_a_file_changed_while_the_server_imports_it_makes_the_next_run_cold(project) -> None:
+    """The server imports ``mylib`` after the cold run; the file changes (same size) while that import is
+    under way. The server has the old code, so the next run must not be forked from it: it runs cold, names
+    the file, and sees the new value in this process and in the workers."""
+    pytester, warm_dir = project
+    lib = pytester.path / "lib" / "mylib.py"
+    lib.write_text(HELD_LIB)
+    hold = pytester.path / "hold"
+    hold.mkdir()
+    _run(pytester, "-k", "library").assert_outcomes(passed=2)
+    deadline = time.monotonic() + 180
+    while not (hold / "importing").exists():
+        assert time.monotonic() < deadline, "the warm server never imported mylib"
+        time.sleep(0.05)
+    lib.write_text(HELD_LIB.replace("VALUE = 1", "VALUE = 2"))  # the same size
+    (hold / "go").touch()
+    _wait_for_server(warm_dir)
+    after = _run(pytester, "-k", "library")
+    assert COLD in _header(after), after.outlines[:12]
+    assert "mylib.py" in _header(after), _header(after)
+    after.assert_outcomes(passed=2)
+    _wait_for_server(warm_dir)  # the cold run's own server has the new code
+    again = _run(pytester, "-k", "library")
+    assert FORKED in _header(again), again.outlines[:12]
+    again.assert_outcomes(passed=2)

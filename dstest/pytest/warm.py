@@ -15,11 +15,12 @@ How it works:
   a session process, which first forks the process world's fork server from itself (ready at once), then
   runs ``pytest.main`` with those arguments and that environment; the run's process waits, passes Ctrl-C
   on, and exits with the session's exit status.
-- **Never stale code.** Before every fork, the server compares the size and modification time of the file
-  of every module it has imported with those it had when it imported them, and checks that no directory of
-  its ``sys.path`` now holds another copy of a module it imported. Then, in the session process once its
-  conftests have run, ``sys.path`` and the environment are compared with those the server was started from.
-  Any difference, and the run is cold again, saying why in its header; a server that found a changed file
+- **Never stale code.** Before every fork, the server checks that the file of every module it has imported
+  holds the bytes it imported, and that no directory of its ``sys.path`` now holds another copy of a
+  top-level module it imported (:mod:`dstest.pytest.warm_sources`: stamps trusted only when they are older
+  than the server's start, digests where a stamp changed). Then, in the session process once its conftests
+  have run, ``sys.path`` and the environment are compared with those the server was started from. Any
+  difference, and the run is cold again, saying why in its header; a server that found a changed file
   stops, and the cold run starts a fresh one. Modules the server did not import (the tests, the
   conftests, what they import) are imported by each session anew, as always.
 - **What runs cold anyway:** a run with ``--pdb``, ``--trace`` or ``-s`` (the terminal is the run's
@@ -41,7 +42,6 @@ import contextlib
 import gc
 import hashlib
 import importlib
-import importlib.machinery
 import io
 import json
 import os
@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+
+from dstest.pytest.warm_sources import Sources, resolve
 
 ENV_DIR = "DSTEST_WARM_DIR"
 ENV_IDLE = "DSTEST_WARM_IDLE"
@@ -264,8 +266,14 @@ def start_server(state: WarmState) -> str:
         probe.connect(path)
         return "a warm server is already running for the next run"
     rewritten = _rewritten_by_pytest() - {"dstest"}
+    # Before the server reads any file: the time its stamps must be older than to be trusted, and where each
+    # top-level module of this run would be found, the baseline for another copy appearing on sys.path.
+    since_ns = time.time_ns()
+    resolved = resolve(_top_level_names(), state.sys_path)
     spec = {
         "key": state.key,
+        "since_ns": since_ns,
+        "resolved": resolved,
         "cwd": os.getcwd(),
         "sys_path": state.sys_path,
         "env": state.env,
@@ -310,64 +318,27 @@ def _rewritten_by_pytest() -> set[str]:
     return names
 
 
-@dataclass
-class _Sources:
-    """What the server imported, as files on disk, to tell whether a session would import the same."""
-
-    files: dict[str, tuple[int, int]]
-    dirs: dict[str, int]
-    origins: dict[str, str | None]
-
-    @classmethod
-    def now(cls) -> _Sources:
-        files: dict[str, tuple[int, int]] = {}
-        for module in list(sys.modules.values()):
-            path = getattr(module, "__file__", None)
-            if isinstance(path, str) and path not in files:
-                with contextlib.suppress(OSError):
-                    st = os.stat(path)
-                    files[path] = (st.st_mtime_ns, st.st_size)
-        dirs = {}
-        for entry in sys.path:
-            with contextlib.suppress(OSError):
-                dirs[entry] = os.stat(entry or ".").st_mtime_ns
-        return cls(files, dirs, _top_level_origins())
-
-    def changed(self) -> str | None:
-        """The first source that is no longer what was imported, or None."""
-        for path, (mtime, size) in self.files.items():
-            try:
-                st = os.stat(path)
-            except OSError:
-                return f"{path} was removed after the warm server imported it"
-            if (st.st_mtime_ns, st.st_size) != (mtime, size):
-                return f"{path} changed after the warm server imported it"
-        moved = False
-        for entry, mtime in self.dirs.items():
-            with contextlib.suppress(OSError):
-                moved = moved or os.stat(entry or ".").st_mtime_ns != mtime
-        if moved:  # something was added to or removed from a directory of sys.path: another copy?
-            importlib.invalidate_caches()
-            now = _top_level_origins()
-            for name, origin in self.origins.items():
-                if now.get(name) != origin:
-                    return f"module {name!r} would now be imported from {now.get(name)} (the server has {origin})"
-            self.dirs = {e: os.stat(e or ".").st_mtime_ns for e in self.dirs if os.path.exists(e or ".")}
-        return None
+def _imported_files() -> list[str]:
+    """The file of every module imported now: those a loader read (their spec has a location), and any other
+    module's ``__file__`` that is a file (``torch.ops`` names a ``_ops.py`` that is not one)."""
+    files = []
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if not isinstance(path, str):
+            continue
+        if getattr(getattr(module, "__spec__", None), "has_location", False) or os.path.isfile(path):
+            files.append(path)
+    return files
 
 
-def _top_level_origins() -> dict[str, str | None]:
-    origins: dict[str, str | None] = {}
+def _top_level_names() -> list[str]:
+    """The top-level modules imported now that a file provides, whose lookup on ``sys.path`` must not change."""
+    names = []
     for name in sorted({n.partition(".")[0] for n in sys.modules}):
         module = sys.modules.get(name)
-        if module is None or getattr(module, "__file__", None) is None or name == "__main__":
-            continue
-        try:
-            spec = importlib.machinery.PathFinder.find_spec(name, sys.path)
-        except (ImportError, ValueError):
-            spec = None
-        origins[name] = spec.origin if spec is not None else None
-    return origins
+        if module is not None and getattr(module, "__file__", None) is not None and name != "__main__":
+            names.append(name)
+    return names
 
 
 @dataclass
@@ -419,7 +390,9 @@ def serve(spec_path: str) -> int:
     if threading.active_count() != 1:
         print(f"warm server: importing the preload started threads {threading.enumerate()}; not serving", flush=True)
         return 1
-    sources = _Sources.now()
+    taking = time.monotonic()
+    sources = Sources.take(_imported_files(), _top_level_names(), sys.path, spec["since_ns"], spec["resolved"])
+    taken = time.monotonic() - taking
     # What the server imported lives as long as every session: out of the collector's sight, so that a
     # session's collections (pytest collects twice at its end) walk only the session's own objects, and do
     # not touch, and so copy, the pages it shares with the server.
@@ -430,7 +403,8 @@ def serve(spec_path: str) -> int:
     if listener is None:
         return 0
     print(
-        f"warm server {os.getpid()}: {len(sources.files)} files, serving {path} after {time.time() - started:.1f} s",
+        f"warm server {os.getpid()}: {len(sources.files)} files (stamped in {taken:.2f} s), serving {path} after "
+        f"{time.time() - started:.1f} s",
         flush=True,
     )
     idle = float(os.environ.get(ENV_IDLE, _IDLE_DEFAULT))
