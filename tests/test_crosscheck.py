@@ -284,3 +284,126 @@ def test_bad_arguments_are_refused_before_anything_runs():
         dstest.crosscheck(result_that_names_its_world, 2, worlds=["threaded", "threaded"])
     with pytest.raises(InvalidArgument, match=r"rtol=-1: must be a finite number >= 0"):
         dstest.crosscheck(result_that_names_its_world, 2, rtol=-1)
+
+
+# -- results are compared by type, exactly (issue 40, finding 3) ------------------------------------------------
+def _nan(bits: int) -> torch.Tensor:
+    """A float64 NaN with the given bit pattern."""
+    return torch.tensor([bits], dtype=torch.int64).view(torch.float64)
+
+
+def same_nan_on_both(ctx):
+    return {"loss": torch.tensor([1.0, float("nan")]), "nan": float("nan"), "payload": _nan(0x7FF8000000000123)}
+
+
+def numpy_differs_in_the_middle(ctx):
+    import numpy as np
+
+    a = np.zeros(4000, dtype=np.float32)
+    if ctx.world == "threaded" and ctx.rank == 1:
+        a[2000] = 1.0
+    return [a]
+
+
+def negative_zero_on_threads(ctx):
+    return torch.tensor([0.0, -0.0 if ctx.world == "threaded" else 0.0, 1.0])
+
+
+def other_nan_payload_on_threads(ctx):
+    return _nan(0x7FF8000000000001 if ctx.world == "threaded" else 0x7FF8000000000002)
+
+
+def nested_difference(ctx):
+    w = torch.arange(6.0).reshape(2, 3)
+    if ctx.world == "threaded" and ctx.rank == 1:
+        w[1, 0] = 7.0
+    return [ctx.rank, {"w": w, "step": 3}]
+
+
+def keys_differ(ctx):
+    return {"a": 1, ("b" if ctx.world == "threaded" else "c"): 2}
+
+
+class _ArrayLike:
+    """== gives something that is not a bool (as numpy arrays and tensors do)."""
+
+    def __eq__(self, other):
+        return [True]
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def returns_an_array_like(ctx):
+    return {"x": _ArrayLike()}
+
+
+def test_identical_results_holding_nan_are_equal():
+    results = dstest.crosscheck(same_nan_on_both, 2)
+    assert torch.isnan(results[0]["loss"][1])
+
+
+def test_numpy_arrays_are_compared_in_full():
+    with pytest.raises(WorldsDiverge, match=r"rank 1's result\[0\]\[2000\]: float32 arrays differ: 1\.0 vs 0\.0"):
+        dstest.crosscheck(numpy_differs_in_the_middle, 2)
+
+
+def test_negative_zero_differs_from_zero_bit_for_bit_but_not_within_a_tolerance():
+    with pytest.raises(WorldsDiverge, match=r"rank 0's result\[1\]: torch\.float32 tensors differ: -0\.0 vs 0\.0"):
+        dstest.crosscheck(negative_zero_on_threads, 2)
+    dstest.crosscheck(negative_zero_on_threads, 2, atol=1e-9)
+
+
+def test_another_nan_payload_differs_bit_for_bit_and_the_bits_are_shown():
+    with pytest.raises(WorldsDiverge, match=r"0x7ff8000000000001 vs 0x7ff8000000000002"):
+        dstest.crosscheck(other_nan_payload_on_threads, 2)
+    dstest.crosscheck(other_nan_payload_on_threads, 2, rtol=1e-6)  # within tolerances NaN equals NaN
+
+
+def test_the_path_of_the_first_difference_is_named():
+    with pytest.raises(WorldsDiverge, match=r"rank 1's result\[1\]\['w'\]\[1, 0\]: torch\.float32 tensors differ: "
+                       r"7\.0 vs 3\.0 \(1 of 6 elements differ\) \(threaded world vs process world\)"):
+        dstest.crosscheck(nested_difference, 2)
+
+
+def test_missing_and_extra_keys_are_named():
+    with pytest.raises(WorldsDiverge, match=r"rank 0's result: keys \['b'\] only on the threaded world, \['c'\] only "
+                       r"on the process world"):
+        dstest.crosscheck(keys_differ, 2)
+
+
+def test_a_result_whose_equality_is_not_a_bool_is_refused_clearly():
+    with pytest.raises(InvalidArgument, match=r"rank 0's result\['x'\]: _ArrayLike == _ArrayLike gave list, not "
+                       r"True or False"):
+        dstest.crosscheck(returns_an_array_like, 2)
+
+
+def test_crosscheck_stays_callable_after_its_module_is_imported():
+    """``from dstest.crosscheck import difference`` makes the package's ``crosscheck`` the module."""
+    import subprocess
+    import sys
+
+    code = (
+        "from dstest.crosscheck import difference\n"
+        "import dstest\n"
+        "assert difference(1, 2).why == '1 vs 2'\n"
+        "dstest.crosscheck(print, 2, worlds=['threaded'])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "crosscheck: worlds=['threaded']: name two different worlds" in done.stderr, done.stderr
+
+
+def test_negative_and_conjugate_views_are_compared_by_their_bits():
+    """torch's resolve_neg computes bfloat16 and half through float, which makes every NaN one NaN."""
+    from dstest.crosscheck import difference
+
+    def bf16(bits):
+        return torch.tensor(bits, dtype=torch.int16).view(torch.bfloat16)
+
+    nan_a, nan_b = bf16([0x7FC1]), bf16([0x7FC2])
+    found = difference(torch._neg_view(nan_a), torch._neg_view(nan_b))
+    assert found is not None and found.path == "[0]" and "0xffc1 vs 0xffc2" in found.why, found
+    assert difference(torch._neg_view(nan_a), torch._neg_view(nan_a.clone())) is None
+    assert difference(torch._neg_view(nan_a), nan_a.neg()) is not None  # -NaN by computing: the payload is lost
+    z = torch.tensor([1 + 2j, float("nan") + 0j])
+    assert difference(z.conj(), z.conj_physical()) is None  # a view and a copy of the same values
+    assert difference(z.conj(), z).path == "[0]"
