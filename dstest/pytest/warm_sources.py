@@ -4,31 +4,33 @@ before every fork (:mod:`dstest.pytest.warm`).
 A warm server may only fork a run when every file it imported holds the bytes it imported, and no directory
 of ``sys.path`` now holds another copy of a top-level module it imported. Two things make that hard:
 
-- **The stamp must not be later than the import.** A file's size and times read after the import say nothing
-  about a change made during it (a developer edits a file while the server is still importing, right after
-  the cold run). So a stamp is trusted only when the file's ``ctime``, which every change of its bytes, size,
-  times or name sets to the current time and which no program can set back, is older than a time taken
-  before the server started (``since_ns``) by more than the margin of the file system's clock. Such a file
-  has not changed since before the server read it. A file changed later (or within the margin) cannot be
-  told from the one imported: the first check calls it changed, and the run is cold.
-- **A stamp can stay the same across a change.** An edit can keep the size, and a tool can put the old
+- **The stamp must not be later than the import.** A file's size and times read after the import say
+  nothing about a change made during it (a developer edits a file while the server is still importing,
+  right after the cold run). So a stamp is trusted only when the file's ``ctime`` (which every change of its
+  bytes, size, times or name sets to the current time, and which no program can set to a time of its
+  choosing) is older than a time taken before the server started (``since_ns``) by more than the margin
+  of the file system's clock. Such a file has not changed since before the server read it. A file changed
+  later (or within the margin) cannot be told from the one imported: the first check calls it changed, and
+  the run is cold.
+- **A stamp can stay the same across a change.** An edit can keep the size, a tool can put the old
   ``mtime`` back (``os.utime``, ``cp -p``, ``rsync -t``), and two changes within one tick of the file
-  system's clock (4 ms here, 1 s or 2 s on some) get the same times. The stamp therefore includes ``ctime``,
-  which no tool can put back, and the inode; and a stamp that differs is not taken as a change by itself:
+  system's clock (4 ms on the machine measured below, 1 s or 2 s on some) get the same times. The stamp
+  therefore includes ``ctime`` and the inode; and a stamp that differs is not taken as a change by itself:
   the file's digest, taken with the trusted stamp, decides. A file touched without a change of its bytes
   (a ``touch``, a save of the same text, a ``chmod``) is thus not stale; a file whose bytes changed is,
   whatever its times say.
 
-Why not a digest of every file at every fork: over torch's 2,143 imported files (70 MB) a fork's check is
-12 ms by stamps and 140-700 ms by digests; the digests are taken once, when the server has imported them,
-and at a fork only of files whose stamp changed. A stamp that changed while the bytes did not is taken as
-the file's stamp from then on only once its ``ctime`` is older than the margin (as git does with its "racy"
-entries): a second change within the same tick could otherwise keep the new stamp.
+Why not a digest of every file at every fork: over the 2,157 files (71 MB) a process has imported with torch
+and its distributed test bases, the stamps take 12-37 ms and the digests 140-700 ms (2 busy cores, best of
+5); so the digests are taken once, when the server has imported the files, and at a fork only of files
+whose stamp changed. A stamp that changed while the bytes did not is taken as the file's stamp from then on
+only once its ``ctime`` is older than the margin: a second change within the same tick could otherwise
+keep the new stamp.
 
 Another copy of a module: the top-level names the server imported are looked up again at every fork with
-:class:`importlib.machinery.PathFinder` (10 ms for torch's 211) and compared with a lookup made before the
-server started; a module inside a package is not looked up again (50 ms for torch's 2,156 modules), so a
-new ``pkg/sub/`` beside an imported ``pkg/sub.py`` is not seen.
+:class:`importlib.machinery.PathFinder` (10-36 ms for those 180 names) and compared with a look-up made
+before the server started; a module inside a package is not looked up again (every one of the 2,156 would
+be about 50 ms), so a new ``pkg/sub/`` beside an imported ``pkg/sub.py`` is not seen.
 
 No torch, no pytest: the property tests (``tests/test_checker_properties_warm.py``) drive it on files alone.
 
