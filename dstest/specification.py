@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
-from dstest.binding import TargetBinding
+from dstest.binding import TargetBinding, prepares, world_device
 from dstest.errors import InvalidArgument, InvalidSpec, InvalidWorldSize, RankFailure
 from dstest.registry import check_target, check_world_name
 from dstest.worlds.core.faults import check_faults
@@ -465,6 +465,7 @@ def run(
     check_world_name(world)
     check_async_hazards(async_hazards, [world])
     check_strict_shapes(strict_shapes)
+    binding = TargetBinding(target)
     request = RunRequest(
         fn if info is None else info.fn,
         world_size,
@@ -472,7 +473,7 @@ def run(
         kwargs=kwargs or {},
         timeout=timeout,
         seed=seed,
-        setup=TargetBinding(target),  # binding(ctx) on every rank, then fn
+        setup=binding,  # binding(ctx) on every rank, then fn
         async_hazards=async_hazards,
         strict_shapes=strict_shapes or (info is not None and info.strict_shapes),
         watch_modules=tuple(watch_modules) if not isinstance(watch_modules, str) else (watch_modules,),
@@ -480,6 +481,8 @@ def run(
     )
     from dstest.worlds import get_world
 
+    if prepares(target, fn):
+        binding.prepare(world_device(world))  # the target's builds, once, outside the run's timeout
     results = get_world(world).run(request)
     _refuse_unrun_results(results, fn, generators=False)
     return results
@@ -538,13 +541,16 @@ def run_spec(
     kwargs = dict(params)
     if info.method:
         kwargs[INSTANCE_ARG] = _Instance(instance)
+    binding = TargetBinding(settings.target)
+    if prepares(settings.target, info.source):
+        binding.prepare(world_device(case.world))  # the target's builds, once, outside the run's timeout
     request = RunRequest(
         info.fn,
         case.world_size,
         kwargs=kwargs,
         timeout=info.timeout or settings.timeout,
         seed=settings.seed,
-        setup=TargetBinding(settings.target),  # on every rank, before the body
+        setup=binding,  # on every rank, before the body
         async_hazards=(info.async_hazards or settings.async_hazards) and case.world in HAZARD_WORLDS,
         strict_shapes=info.strict_shapes or settings.strict_shapes,
         faults=info.faults,

@@ -339,6 +339,30 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             terminalreporter.line(f"DEV {report.nodeid} - {lines[0][1:].strip() if lines else ''}")
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Before the first spec: the target's builds (its ``prepare``, :meth:`dstest.binding.TargetBinding.prepare`),
+    once per device the collected specs run on, so that no spec's rank JIT-builds inside its timeout. Here,
+    between collection and the first test, pytest captures nothing: the target's progress lines show. An
+    error is left for the runs, each of which fails with it."""
+    if session.config.option.collectonly or not session.items:
+        return
+    from dstest.binding import TargetBinding, prepares, world_device
+    from dstest.specification import CASE_ARG, spec_info
+
+    target = settings(session.config).target
+    devices = set()
+    for item in session.items:
+        info = spec_info(getattr(item, "function", None))
+        case = getattr(item, "callspec", None) and item.callspec.params.get(CASE_ARG)  # type: ignore[attr-defined]
+        if info is not None and case is not None and prepares(target, info.source):
+            devices.add(world_device(case.world))
+    import contextlib
+
+    for device in sorted(devices):
+        with contextlib.suppress(Exception):  # raised again by every run of the target: each fails with it
+            TargetBinding(target).prepare(device)
+
+
 def pytest_collect_file(file_path: Any, parent: pytest.Collector) -> pytest.Module | None:
     """Every module of the bundled conformance package is a test module (its names need not be test_*)."""
     import fnmatch

@@ -3,8 +3,10 @@
 dstest ships ``impl`` and ``deepspeed``; plug-ins add more (a pytest hook, an entry point in the group
 ``dstest.targets`` or :func:`register_target`, see :mod:`dstest.registry`). An adapter may also define
 ``environment(device: str) -> Mapping[str, str]``: variables set in each rank's process before the spec
-body runs (DeepSpeed: ``DS_ACCELERATOR=cpu`` on CPU). Worlds know nothing of targets; the spec layer binds
-``ctx.target`` and applies the environment on every rank (:class:`dstest.binding.TargetBinding`).
+body runs (DeepSpeed: ``DS_ACCELERATOR=cpu`` on CPU), and ``prepare(device: str) -> None``: what its ranks
+need built (native ops JIT-compiled on first use), run once per process before the first run's timeout
+starts (DeepSpeed: its shm_comm op; impl: its native ops). Worlds know nothing of targets; the spec layer
+binds ``ctx.target`` and applies the environment on every rank (:class:`dstest.binding.TargetBinding`).
 """
 
 from __future__ import annotations

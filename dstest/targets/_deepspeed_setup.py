@@ -1,30 +1,45 @@
 """What the DeepSpeed adapter hands ``deepspeed.initialize`` (:mod:`dstest.targets.deepspeed`): its
 communication backend over the formed world, a client torch optimizer, the specs' configuration and model
 translated for DeepSpeed 0.19.8 (``DSTEST_DEEPSPEED_STRICT=1`` turns the translations off), and a
-model-parallel unit over explicit groups.
+model-parallel unit over explicit groups; and the build of DeepSpeed's shm_comm op before the first spec
+(:func:`prebuild`), which its communication backend otherwise JIT-builds inside the first spec's timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import importlib.util
 import os
+import signal
+import subprocess
 import sys
-from collections.abc import Iterable, Mapping
+import tempfile
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from dstest.targets._deepspeed_errors import DeepSpeedAdapterError
+from dstest.worlds.build_locks import LOCK_FILE, LockState, clear_if_stale, torch_build_dir
 
 __all__ = [
+    "SHM_OP",
     "STRICT_ENV",
     "Mpu",
+    "clear_stale_op_lock",
     "client_optimizer",
     "ensure_comm",
     "make_parameters_contiguous",
+    "prebuild",
     "release_cached_groups",
+    "run_build",
     "translate",
 ]
+
+#: The op DeepSpeed's communication backend (``deepspeed.comm.torch.build_shm_op``) JIT-builds on CPU.
+SHM_OP = "deepspeed_shm_comm"
 
 
 def release_cached_groups() -> None:
@@ -57,7 +72,114 @@ def ensure_comm() -> None:
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
     os.environ.setdefault("RANK", str(dist.get_rank()))
     os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+    if not ds_comm.is_initialized():
+        clear_stale_op_lock()  # a killed build's lock would make this rank wait for ever
     ds_comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(), dist_init_required=False)
+
+
+def clear_stale_op_lock() -> LockState | None:
+    """Remove the build lock of DeepSpeed's shm_comm op if no live process holds it (a build killed at a
+    timeout left it; see :mod:`dstest.worlds.build_locks`), saying so on stderr; None when there is no lock."""
+    lock = torch_build_dir(SHM_OP) / LOCK_FILE
+    if not lock.exists():
+        return None
+    state = clear_if_stale(lock)
+    if state.removed:
+        print(
+            f"dstest: removed {lock}, left by a build that was killed (no live process holds it; torch would wait "
+            "on it for ever)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return state
+
+
+def _build_due() -> bool:
+    """Whether the op's library is missing or older than a source its build file names (DeepSpeed was
+    upgraded): then the first rank's load would compile it. Otherwise a load only runs ninja, which finds
+    nothing to do."""
+    build_dir = torch_build_dir(SHM_OP)
+    try:
+        built = (build_dir / f"{SHM_OP}.so").stat().st_mtime
+        ninja = (build_dir / "build.ninja").read_text()
+    except OSError:
+        return True
+    for line in ninja.splitlines():  # "build shm.o: compile /.../csrc/cpu/comm/shm.cpp"
+        if line.startswith("build ") and ": compile " in line:
+            try:
+                if os.stat(line.split(": compile ", 1)[1].strip()).st_mtime > built:
+                    return True
+            except OSError:
+                return True
+    return False
+
+
+def run_build(argv: Sequence[str], env: Mapping[str, str], what: str, every: float = 30.0) -> int:
+    """Run a build command in a child process, saying on stderr every ``every`` seconds that it is still
+    building and, at the end, how long it took (or its output's last lines when it failed); its exit code.
+    Ctrl-C kills the child and what it started (its build lock is then stale: :func:`clear_stale_op_lock`)
+    and is raised again."""
+    start = time.monotonic()
+    with tempfile.TemporaryFile() as out:
+        # Its own session: on Ctrl-C the whole build (ninja, the compilers) is killed here, not left running.
+        child = subprocess.Popen(
+            list(argv), env=dict(env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        said = start
+        try:
+            while child.poll() is None:
+                time.sleep(min(0.2, every))
+                now = time.monotonic()
+                if now - said >= every:
+                    print(f"dstest: still building {what} ({now - start:.0f} s)", file=sys.stderr, flush=True)
+                    said = now
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            raise
+        code = int(child.returncode)
+        seconds = time.monotonic() - start
+        if code == 0:
+            print(f"dstest: built {what} in {seconds:.0f} s", file=sys.stderr, flush=True)
+        else:
+            out.seek(0)
+            tail = "\n".join(out.read().decode(errors="replace").splitlines()[-15:])
+            print(f"dstest: building {what} failed (exit code {code}, {seconds:.0f} s):\n{tail}", file=sys.stderr)
+    return code
+
+
+# What the child runs: what DeepSpeed's TorchBackend calls first (deepspeed/comm/torch.py), so the op is built
+# as a rank would build it: the same builder, flags and build directory.
+_BUILD_SHM_OP = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+
+
+def prebuild(device: str, environment: Mapping[str, str]) -> None:
+    """Build DeepSpeed's shm_comm op before the first spec (the target's ``prepare``), if a build is due.
+
+    On CPU, DeepSpeed's communication backend JIT-builds the op the first time a process initialises it:
+    about a minute on two busy cores, far into the first spec's timeout; killed there, the build left its
+    lock, and every later spec waited on it (issue 40, finding 7). Built here in a child process with the
+    ranks' ``environment`` (``DS_ACCELERATOR=cpu``) and this session's ``sys.path`` (the same DeepSpeed),
+    with progress on stderr; a stale lock is removed first. A failed build is said and left to the specs,
+    whose ranks fail with DeepSpeed's own error. Nothing to do on GPUs (the op is the CPU accelerator's),
+    off Linux (DeepSpeed builds it there only), or without DeepSpeed."""
+    if device != "cpu" or sys.platform != "linux" or importlib.util.find_spec("deepspeed") is None:
+        return
+    clear_stale_op_lock()
+    if not _build_due():
+        return
+    env = {**os.environ, **environment, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    print(
+        f"dstest: building DeepSpeed's {SHM_OP} op (first run on this machine: 1-5 min on 2 cores) in "
+        f"{torch_build_dir(SHM_OP)} ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        run_build([sys.executable, "-c", _BUILD_SHM_OP], env, f"DeepSpeed's {SHM_OP} op")
+    finally:
+        clear_stale_op_lock()  # the child killed (Ctrl-C) mid-build: its lock must not stay
 
 
 def client_optimizer(section: Mapping[str, Any] | None, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -52,6 +52,7 @@ from dstest.targets._deepspeed_setup import (
     client_optimizer,
     ensure_comm,
     make_parameters_contiguous,
+    prebuild,
     release_cached_groups,
     translate,
 )
@@ -79,6 +80,12 @@ class DeepSpeedTarget:
         """Set on each rank's process before a spec body runs (worlds know nothing of targets): DeepSpeed
         picks its accelerator from ``DS_ACCELERATOR`` when first imported, so ranks on CPU get ``cpu``."""
         return {"DS_ACCELERATOR": "cpu"} if device == "cpu" else {}
+
+    @staticmethod
+    def prepare(device: str) -> None:
+        """Before the first spec (:meth:`dstest.binding.TargetBinding.prepare`): build DeepSpeed's shm_comm
+        op, which its communication backend would JIT-build inside the first spec's timeout on CPU."""
+        prebuild(device, DeepSpeedTarget.environment(device))
 
     def __init__(self) -> None:
         ds = import_deepspeed()
