@@ -705,13 +705,14 @@ def test_the_deadlock_text_names_every_waiting_rank_and_what_it_waits_for(world:
 
 
 # -- the c10d table: both worlds build the same call, however the arguments are passed -------------------------
-def _c10d_args(method: c10d.Method, n: int, rank: int, shape: tuple[int, ...], dtype: Any) -> dict[str, Any]:
-    """Arguments of ``method`` as torch passes them, for group rank ``rank`` of ``n``."""
+def _c10d_args(method: c10d.Method, n: int, rank: int, root: int, shape: tuple[int, ...], dtype: Any) -> dict[str, Any]:
+    """Arguments of ``method`` as torch passes them, for group rank ``rank`` of ``n`` (``root``: of gather,
+    scatter, reduce and broadcast)."""
     opts = getattr(torch._C._distributed_c10d, method.options)() if method.options else None
     if opts is not None and hasattr(opts, "reduceOp"):
         opts.reduceOp = dist.ReduceOp.MAX
     if opts is not None and hasattr(opts, "rootRank"):
-        opts.rootRank = n - 1
+        opts.rootRank = root
     t = torch.zeros(shape, dtype=dtype)
     scaled = torch.zeros((n, *shape), dtype=dtype)
     name = method.name
@@ -733,9 +734,9 @@ def _c10d_args(method: c10d.Method, n: int, rank: int, shape: tuple[int, ...], d
     elif name == "alltoall_base":
         args.update(output=scaled, inp=scaled.clone(), output_split_sizes=[], input_split_sizes=[])
     elif name == "gather":
-        args.update(outputs=[[t.clone() for _ in range(n)]] if rank == n - 1 else [], inputs=[t])
+        args.update(outputs=[[t.clone() for _ in range(n)]] if rank == root else [], inputs=[t])
     elif name == "scatter":
-        args.update(outputs=[t], inputs=[[t.clone() for _ in range(n)]] if rank == n - 1 else [])
+        args.update(outputs=[t], inputs=[[t.clone() for _ in range(n)]] if rank == root else [])
     elif name == "barrier":
         pass
     return args
@@ -765,40 +766,41 @@ def test_both_worlds_build_the_same_call_from_a_c10d_call(
     from dstest.worlds.process.checked_group import _METAS
 
     method = next(m for m in c10d.METHODS if m.name == name)
-    rank = data.draw(st.integers(0, n - 1))
-    args = _c10d_args(method, n, rank, shape, dtype)
-    # passed by position, by keyword, or with the defaults (opts, tag) left out: _c10d gets the same
-    by_name = [p for p in method.params if p in args]
-    positional = [args[p] for p in method.params]
     how = data.draw(st.sampled_from(["position", "keyword", "mixed", "default"]))
-    group = _Recording()
-    if how == "position":
-        got = getattr(group, name)(*positional)
-    elif how == "keyword":
-        got = getattr(group, name)(**{p: args[p] for p in by_name})
-    elif how == "mixed":
-        cut = data.draw(st.integers(0, len(by_name)))
-        got = getattr(group, name)(*positional[:cut], **{p: args[p] for p in by_name[cut:]})
-    else:
-        got = getattr(group, name)(*[args[p] for p in method.params if p != "opts"])
-        args = {**args, "opts": None}
-    assert got == (method, args)
-    if args["opts"] is None:
-        args["opts"] = getattr(torch._C._distributed_c10d, method.options)()
-    assert method.args is not None
-    threaded = C.CALLS[method.op](rank, n, *method.args(_TENSORS, args))
-    process = C.CALLS[method.op](rank, n, *method.args(_METAS, args))
-    threaded.check_local()
-    process.check_local()
-    for strict in (False, True):
-        threaded.strict_shapes = process.strict_shapes = strict
-        assert threaded.key() == process.key()
-    assert threaded.describe() == process.describe()
-    if method.kind == "flat":
-        assert (
-            threaded.describe()
-            == f"all_reduce({matching.describe_tensor(torch.zeros(2 * _numel(shape), dtype=dtype))}, op=max)"
-        )
+    threaded_calls, process_calls = {}, {}
+    for rank in range(n):  # every rank (the root's arguments differ from the others')
+        args = _c10d_args(method, n, rank, 0 if how == "default" else n - 1, shape, dtype)  # default: root 0
+        # passed by position, by keyword, or with the defaults (opts, tag) left out: _c10d gets the same
+        by_name = [p for p in method.params if p in args]
+        positional = [args[p] for p in method.params]
+        group = _Recording()
+        if how == "position":
+            got = getattr(group, name)(*positional)
+        elif how == "keyword":
+            got = getattr(group, name)(**{p: args[p] for p in by_name})
+        elif how == "mixed":
+            cut = data.draw(st.integers(0, len(by_name)))
+            got = getattr(group, name)(*positional[:cut], **{p: args[p] for p in by_name[cut:]})
+        else:
+            got = getattr(group, name)(*[args[p] for p in method.params if p != "opts"])
+            args = {**args, "opts": None}
+        assert got == (method, args)
+        if args["opts"] is None:
+            args["opts"] = getattr(torch._C._distributed_c10d, method.options)()
+        assert method.args is not None
+        threaded = threaded_calls[rank] = C.CALLS[method.op](rank, n, *method.args(_TENSORS, args))
+        process = process_calls[rank] = C.CALLS[method.op](rank, n, *method.args(_METAS, args))
+        threaded.check_local()
+        process.check_local()
+        for strict in (False, True):
+            threaded.strict_shapes = process.strict_shapes = strict
+            assert threaded.key() == process.key()
+        assert threaded.describe() == process.describe()
+        if method.kind == "flat":  # the coalesced all-reduce reduces its tensors as one flat buffer
+            flat = matching.describe_tensor(torch.zeros(2 * _numel(shape), dtype=dtype))
+            assert threaded.describe() == f"all_reduce({flat}, op={'sum' if how == 'default' else 'max'})"
+    for calls in (threaded_calls, process_calls):  # and the ranks' calls match each other
+        assert join_all(matching.Exchange(tuple(range(n)), "world", 1), calls, list(range(n))) is None
 
 
 @given(
