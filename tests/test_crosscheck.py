@@ -12,12 +12,14 @@ from __future__ import annotations
 import os
 import tempfile
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 import dstest
+from dstest.crosscheck import difference
 from dstest.errors import InvalidArgument, WorldsDiverge
 
 pytestmark = [
@@ -394,8 +396,6 @@ def test_crosscheck_stays_callable_after_its_module_is_imported():
 
 def test_negative_and_conjugate_views_are_compared_by_their_bits():
     """torch's resolve_neg computes bfloat16 and half through float, which makes every NaN one NaN."""
-    from dstest.crosscheck import difference
-
     def bf16(bits):
         return torch.tensor(bits, dtype=torch.int16).view(torch.bfloat16)
 
@@ -407,3 +407,15 @@ def test_negative_and_conjugate_views_are_compared_by_their_bits():
     z = torch.tensor([1 + 2j, float("nan") + 0j])
     assert difference(z.conj(), z.conj_physical()) is None  # a view and a copy of the same values
     assert difference(z.conj(), z).path == "[0]"
+
+
+@pytest.mark.skipif(np.finfo(np.longdouble).nmant != 63, reason="long double is x87 extended precision only on x86")
+def test_long_double_arrays_are_compared_by_value_not_by_their_padding():
+    a = np.array([1.5, -0.0, np.nan], dtype=np.longdouble)
+    raw = bytearray(a.tobytes())
+    for e in range(3):  # the bytes after the 10 of each value's x87 format: padding, never read
+        raw[e * a.itemsize + 10 : (e + 1) * a.itemsize] = b"\xab" * (a.itemsize - 10)
+    b = np.frombuffer(bytes(raw), dtype=np.longdouble)
+    assert difference(a, b) is None
+    found = difference(a, np.array([1.5, 0.0, np.nan], dtype=np.longdouble))
+    assert found is not None and found.path == "[1]", found
