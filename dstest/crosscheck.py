@@ -233,6 +233,12 @@ class _Compare:
     def arrays(self, np: Any, a: Any, b: Any, path: str) -> Difference | None:
         if a.dtype != b.dtype or a.shape != b.shape:
             return Difference(path, f"{a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)} arrays")
+        if a.dtype.names:  # a structured array: field by field (an aligned dtype's padding holds anything)
+            for name in a.dtype.names:
+                found = self.arrays(np, a[name], b[name], f"{path}[{name!r}]")
+                if found is not None:
+                    return found
+            return None
         fa, fb = a.reshape(-1), b.reshape(-1)
         if a.dtype.hasobject:  # the bytes are pointers: compare the objects
             for i in range(fa.size):

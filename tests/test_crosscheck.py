@@ -419,3 +419,17 @@ def test_long_double_arrays_are_compared_by_value_not_by_their_padding():
     assert difference(a, b) is None
     found = difference(a, np.array([1.5, 0.0, np.nan], dtype=np.longdouble))
     assert found is not None and found.path == "[1]", found
+
+
+def test_structured_arrays_are_compared_field_by_field_not_by_their_padding():
+    dtype = np.dtype([("step", np.int8), ("loss", np.float64)], align=True)  # 7 bytes of padding after step
+    a = np.zeros(4, dtype=dtype)
+    a["loss"] = [0.5, np.nan, -0.0, 2.0]
+    raw = bytearray(a.tobytes())
+    for e in range(4):
+        raw[e * dtype.itemsize + 1 : e * dtype.itemsize + 8] = b"\xcd" * 7
+    assert difference(a, np.frombuffer(bytes(raw), dtype=dtype)) is None
+    b = a.copy()
+    b["loss"][2] = 0.0
+    found = difference(a, b)
+    assert found is not None and found.path == "['loss'][2]" and "-0.0 vs 0.0" in found.why, found
