@@ -1,19 +1,31 @@
-"""The cost of ``ctx.assert_replicas`` (G4) against one all_reduce of the same bytes.
+"""The cost of ``ctx.assert_replicas`` (G4) against one all_reduce of the same bytes, and against an older version.
 
     python benchmarks/bench_replicas.py [--params N] [--world threaded|process] [--size W] [--reps R]
+                                        [--baseline REV]
 
 Side by side in one run, interleaved on every rank: ``assert_replicas`` of a model of about N parameters
-(an MLP of square Linear layers, fp32; identical on every rank, so the check passes: fingerprints only),
+(an MLP of square Linear layers, fp32; identical on every rank, so the check passes: digests only),
 and one ``all_reduce`` of a flat fp32 tensor of the same element count (what DDP moves per step). Also the
-failing case: one element of one parameter changed on rank 1 (fingerprints, then that parameter's values
+failing case: one element of one parameter changed on rank 1 (digests, then that parameter's values
 gathered, compared and reported). Medians of R interleaved repetitions, wall seconds, per rank 0.
+
+``--baseline REV`` also times ``dstest/replicas.py`` as it was at git revision REV (``git show REV:...`` into a
+temporary file, imported beside the current one), interleaved with the current one on the same model and
+world: the before and after of a change, in one run, under the same load.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +35,8 @@ import torch.nn as nn
 import dstest
 from dstest.errors import ReplicasDiverge
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def _model(params: int) -> nn.Module:
     width = 1024
@@ -31,32 +45,54 @@ def _model(params: int) -> nn.Module:
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
 
 
-def measure(ctx: Any, params: int, reps: int) -> dict[str, float]:
+_LOADING = threading.Lock()
+
+
+def _baseline(path: str) -> Callable[..., None]:
+    """``assert_replicas`` of the module file at ``path`` (an older dstest/replicas.py), imported under a name of
+    its own so that it stands beside the current one (once per process: the threaded world's ranks share it)."""
+    name = "_replicas_baseline"
+    with _LOADING:
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module  # dataclasses look their module up while the file runs
+            spec.loader.exec_module(module)
+    check: Callable[..., None] = sys.modules[name].assert_replicas
+    return check
+
+
+def _timed(check: Callable[..., None], *args: Any) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    try:
+        check(*args)
+    except ReplicasDiverge:
+        pass
+    return time.perf_counter() - start
+
+
+def measure(ctx: Any, params: int, reps: int, baseline: str | None) -> dict[str, float]:
     model = _model(params)
     numel = sum(p.numel() for p in model.parameters())
     flat = torch.ones(numel)
-    times: dict[str, list[float]] = {"assert_replicas": [], "all_reduce": [], "assert_replicas (one differs)": []}
+    checks: dict[str, Callable[..., None]] = {"": ctx.assert_replicas}
+    if baseline is not None:
+        checks[" (baseline)"] = _baseline(baseline)
+    times: dict[str, list[float]] = {}
+    last = list(model.parameters())[-2]
     for _ in range(reps):
-        dist.barrier()
-        start = time.perf_counter()
-        ctx.assert_replicas(model)
-        times["assert_replicas"].append(time.perf_counter() - start)
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(flat)
-        times["all_reduce"].append(time.perf_counter() - start)
-        last = list(model.parameters())[-2]
+        for suffix, check in checks.items():
+            times.setdefault(f"assert_replicas{suffix}", []).append(_timed(check, model))
+        times.setdefault("all_reduce", []).append(_timed(dist.all_reduce, flat))
         kept = last[0, 0].clone()  # restored bit for bit after (x + 1 - 1 is not x)
         with torch.no_grad():
             if ctx.rank == 1:
                 last[0, 0] += 1.0
-        dist.barrier()
-        start = time.perf_counter()
-        try:
-            ctx.assert_replicas(model)
-        except ReplicasDiverge:
-            pass
-        times["assert_replicas (one differs)"].append(time.perf_counter() - start)
+        for suffix, check in checks.items():
+            name = f"assert_replicas{suffix}, one differs"
+            times.setdefault(name, []).append(_timed(check, model))
         with torch.no_grad():
             if ctx.rank == 1:
                 last[0, 0] = kept
@@ -65,21 +101,38 @@ def measure(ctx: Any, params: int, reps: int) -> dict[str, float]:
     return out
 
 
+def _old_module(rev: str, folder: str) -> str:
+    """``dstest/replicas.py`` at git revision ``rev``, written into ``folder``; its path."""
+    source = subprocess.run(
+        ["git", "show", f"{rev}:dstest/replicas.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    path = Path(folder) / "replicas_baseline.py"
+    path.write_text(source)
+    return str(path)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--params", type=int, default=10_000_000)
     parser.add_argument("--world", default="threaded", choices=["threaded", "process"])
     parser.add_argument("--size", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--baseline", default=None, metavar="REV", help="also time dstest/replicas.py at REV")
     args = parser.parse_args()
-    result = dstest.run(measure, args.size, world=args.world, args=(args.params, args.reps), timeout=600)[0]
+    with tempfile.TemporaryDirectory() as folder:
+        baseline = None if args.baseline is None else _old_module(args.baseline, folder)
+        result = dstest.run(measure, args.size, world=args.world, args=(args.params, args.reps, baseline), timeout=600)[
+            0
+        ]
     numel = int(result.pop("numel"))
     print(
-        f"{args.world} world, W = {args.size}, {numel:,} fp32 parameters ({numel * 4 / 2**20:.0f} MiB), medians of {args.reps}:"
+        f"{args.world} world, W = {args.size}, {numel:,} fp32 parameters ({numel * 4 / 2**20:.0f} MiB), "
+        f"medians of {args.reps}" + (f", baseline {args.baseline}" if args.baseline else "") + ":"
     )
     base = result["all_reduce"]
     for name, seconds in result.items():
-        print(f"  {name:32s} {seconds * 1e3:9.1f} ms   x{seconds / base:.2f} of one all_reduce")
+        print(f"  {name:40s} {seconds * 1e3:9.1f} ms   x{seconds / base:.2f} of one all_reduce")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

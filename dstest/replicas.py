@@ -221,8 +221,13 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
     A conjugate or negative view keeps its values' sign in a flag, not in memory, and a strided view skips
     memory: both are resolved and made contiguous first, so every layout of the same values gives the same
-    bytes (and a view of other values never gives them)."""
-    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+    bytes (and a view of other values never gives them). The flat tensor has stride 1, which :func:`_digest`
+    relies on to read its memory: a one-element view counts as contiguous whatever its stride, and keeps that
+    stride through ``contiguous()`` and ``reshape``, so it is copied."""
+    flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
 
 
 def _digest(t: torch.Tensor) -> bytes:

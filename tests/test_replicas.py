@@ -697,3 +697,23 @@ def test_tolerance_edges(world):
     assert inf is not None and "tensor 'inf' (float32[2]) differs beyond rtol=0.1, atol=0" in inf
     assert "largest absolute difference inf at index (0,) (rank 0: inf, rank 1: 5)" in inf
     assert same is None
+
+
+def one_element_of_a_strided_view(ctx) -> list[str | None]:
+    """One element of a strided view: ``contiguous()`` keeps a one-element tensor's stride (it counts as
+    contiguous), and a flat view of it with stride 2 cannot be read as bytes. Found by the properties of
+    tests/test_checker_properties_replicas.py."""
+    out = []
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        phys = torch.full((1, 3), 5 + (ctx.rank if dtype == torch.int64 else 0)).to(dtype)
+        phys[0, 1] = 2
+        out.append(_caught(ctx, {"v": phys[:, 1:2:2]}))  # [1, 1], strides (3, 2), holding 2 on every rank
+    out.append(_caught(ctx, {"v": torch.full((1, 3), float(ctx.rank))[:, 1:2:2]}))
+    return out
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_one_element_of_a_strided_view(world):
+    *same, changed = _same_everywhere([tuple(r) for r in dstest.run(one_element_of_a_strided_view, 2, world=world)])
+    assert same == [None, None, None]
+    assert changed is not None and "tensor 'v' (float32[1, 1]) differs bit for bit: ranks [0] vs ranks [1]" in changed
