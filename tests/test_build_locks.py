@@ -303,11 +303,16 @@ def test_impl_builds_its_ops_in_prepare(monkeypatch: pytest.MonkeyPatch, capsys:
     from impl.ops import _build
 
     calls: list[str] = []
+    built = [False]
     monkeypatch.setattr(_build, "load_extension", lambda: calls.append("load"))
-    monkeypatch.setattr(_build, "is_built", lambda: False)
+    monkeypatch.setattr(_build, "is_built", lambda: built[0])
     ImplTarget.prepare("cpu")
     assert calls == ["load"]
-    assert "building impl's native ops" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "building impl's native ops" in err and "built impl's native ops in" in err, err
+    built[0] = True  # built: a rank's load only checks the build (about a second); nothing to do here
+    ImplTarget.prepare("cpu")
+    assert calls == ["load"] and capsys.readouterr().err == ""
 
 
 def test_a_stale_lock_of_deepspeeds_op_is_removed_before_its_build(

@@ -27,20 +27,21 @@ class ImplTarget:
 
     @staticmethod
     def prepare(device: str) -> None:
-        """Build (or load) impl's native ops before the first spec's timeout starts (see
+        """Build impl's native ops before the first spec's timeout starts (see
         :meth:`dstest.binding.TargetBinding.prepare`): impl's ZeRO-3 gatherer compacts with them, and they are
-        JIT-built on first use, 30 s to 2 min on two cores (cached in ``impl.ops._build.extension_dir()``). A
+        JIT-built on first use, 30 s to 2 min on two cores (cached in ``impl.ops._build.extension_dir()``).
+        Once built, nothing is done here: a rank's load then only checks the build, in about a second. A
         build that fails is said here and left to the specs that use the ops, which fail with its error."""
         from impl.ops import _build
 
-        due = not _build.is_built()
-        if due:
-            print(
-                f"dstest: building impl's native ops (first run on this machine: 30 s to 2 min on 2 cores) in "
-                f"{_build.extension_dir()} ...",
-                file=sys.stderr,
-                flush=True,
-            )
+        if _build.is_built():
+            return
+        print(
+            f"dstest: building impl's native ops (first run on this machine: 30 s to 2 min on 2 cores) in "
+            f"{_build.extension_dir()} ...",
+            file=sys.stderr,
+            flush=True,
+        )
         start = time.monotonic()
         try:
             _build.load_extension()
@@ -53,8 +54,7 @@ class ImplTarget:
                 flush=True,
             )
             return
-        if due:
-            print(f"dstest: built impl's native ops in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+        print(f"dstest: built impl's native ops in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
 
     def supports(self, feature: str) -> bool:
         if feature == "stage3":
