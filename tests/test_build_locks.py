@@ -340,3 +340,50 @@ def test_a_build_in_a_subprocess_shows_its_progress(capsys: pytest.CaptureFixtur
     assert code == 0
     assert err.count("still building the probe op") >= 1, err
     assert "built the probe op in" in err, err
+
+
+def test_deepspeeds_build_is_due_when_its_library_is_missing_or_older_than_a_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The session builds DeepSpeed's op only when a rank would compile it (no library, or a source newer than
+    it: DeepSpeed upgraded); otherwise it starts no child process at all."""
+    from dstest.targets import _deepspeed_setup
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    build = tmp_path / "deepspeed_shm_comm"
+    build.mkdir()
+    source = tmp_path / "shm.cpp"
+    source.write_text(SOURCE)
+    (build / "build.ninja").write_text(f"build shm.o: compile {source}\nbuild deepspeed_shm_comm.so: link shm.o\n")
+    assert _deepspeed_setup._build_due()  # no library
+    library = build / "deepspeed_shm_comm.so"
+    library.write_bytes(b"")
+    os.utime(source, (time.time() - 100, time.time() - 100))
+    assert not _deepspeed_setup._build_due()
+    os.utime(source, (time.time() + 100, time.time() + 100))
+    assert _deepspeed_setup._build_due()  # a source changed after the build
+
+
+def user_body(ctx: Any) -> int:
+    return int(ctx.rank)
+
+
+def test_a_users_spec_on_the_default_target_does_not_build_impl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A project's own spec on the default target (impl) never pays for impl's native build, nor needs a
+    compiler for it: only the bundled conformance specs and runs naming another target prepare theirs."""
+    from dstest.binding import forget_prepared
+    from dstest.targets.impl import ImplTarget
+
+    calls: list[str] = []
+    monkeypatch.setattr(ImplTarget, "prepare", staticmethod(lambda device: calls.append(device)))
+    forget_prepared("impl")
+    assert dstest.run(user_body, 2) == [0, 1]
+    assert calls == []
+    from dstest.conformance import optional_groups
+    from dstest.specification import Case, Settings, run_spec, spec_info
+
+    info = spec_info(optional_groups.test_a1_none_is_absent)
+    assert info is not None
+    run_spec(info, Case(world="threaded", world_size=1), Settings(), {})
+    assert calls == ["cpu"]
+    forget_prepared("impl")
