@@ -240,8 +240,8 @@ def test_spec_with_a_kill_passes_when_the_survivor_recovers(ctx: Any) -> None:
         (lambda: Kill(0, group="tp"), r"group must be None \(any group\), 'world'"),
         (lambda: Kill(0, group=[]), r"a group is given by its global ranks"),
         (lambda: Delay(0, seconds=-1), r"Delay\(seconds=-1\): seconds must be a finite number"),
-        (lambda: Kill(0, optional=1), r"Kill\(optional=1\): optional must be True or False"),
-        (lambda: Fail(0, optional="yes"), r"Fail\(optional='yes'\): optional must be True or False"),
+        (lambda: Kill(0, optional=1), r"Kill\(optional=1\): optional must be True or False"),  # type: ignore[arg-type]
+        (lambda: Fail(0, optional="yes"), r"Fail\(optional='yes'\): optional must be True or False"),  # type: ignore[arg-type]
         (lambda: RunRequest(plain_sum, 3, faults=[Kill(3)]), r"rank 3 is not a rank of a world of 3"),
         (lambda: RunRequest(plain_sum, 3, faults=[Kill(0, group=[1, 2])]), r"group \[1, 2\] must hold rank 0"),
         (lambda: RunRequest(plain_sum, 3, faults="Kill"), r"faults='Kill': must be a list"),
