@@ -77,7 +77,7 @@ class CheckedWork(dist._Work):  # type: ignore[misc, name-defined]
         rec.waited = True
         fut, handed_out = _compat.linked_future()  # failed in C++ too when the call fails (DDP's reducer)
 
-        def resolve() -> None:
+        def resolve(now: bool = False) -> None:
             if rec.error is not None:
                 fut.set_exception(_check_error(*rec.error))
             elif rec.issue_error is not None:
@@ -92,13 +92,20 @@ class CheckedWork(dist._Work):  # type: ignore[misc, name-defined]
                     except Exception as exc:
                         fut.set_exception(exc)
 
-                rec.inner.get_future().add_done_callback(forward)
+                try:
+                    inner_fut = rec.inner.get_future()
+                except Exception as exc:  # gloo's reduce-scatter work has no future ("not implemented")
+                    if now:
+                        raise  # from get_future(), as gloo raises it
+                    fut.set_exception(exc)  # issued after get_future(): the waiter gets the error
+                    return
+                inner_fut.add_done_callback(forward)
 
         with self._checker.lock:
             if not rec.event.is_set():
                 rec.callbacks.append(resolve)
                 return handed_out
-        resolve()
+        resolve(now=True)
         return handed_out
 
 
@@ -122,6 +129,24 @@ class DoneWork(dist._Work):  # type: ignore[misc, name-defined]
         fut: Any = torch.futures.Future()
         fut.set_result(self._tensors)
         return fut
+
+
+def _as_caller(issue: Callable[[], Any]) -> Callable[[], Any]:
+    """``issue``, to run on the checker's listener thread in the autograd mode of the thread that calls now.
+
+    gloo runs its work under the calling thread's thread-local state (grad mode, inference mode), and its
+    C++ copies into outputs go through autograd: under ``no_grad`` a split view of a parameter takes an
+    all-gather's result, with grad mode on autograd refuses it. The listener thread that issues a matched
+    call has grad mode on, so without this gloo failed correct code there (DeepSpeed's bf16 optimizer
+    all-gathering a partition into its flat group, issue 40). What gloo does later in the waiting thread
+    (its ``reduce_scatter_tensor`` copies its result inside ``wait()``) stays in that thread's mode."""
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def as_caller() -> Any:
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            return issue()
+
+    return as_caller
 
 
 class _Metas(_compat.OptionsReader):
@@ -303,8 +328,7 @@ class CheckedGroup(dist.ProcessGroup):
         if method.options and args["opts"] is None:
             args["opts"] = getattr(c10d_c, method.options)()
 
-        def issue() -> Any:
-            return getattr(self.inner, method.name)(*[args[p] for p in method.params])
+        issue = _as_caller(lambda: getattr(self.inner, method.name)(*[args[p] for p in method.params]))
 
         if method.kind == "p2p":
             t = c10d.one_tensor(args["tensors"], method.name)
