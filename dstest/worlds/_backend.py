@@ -362,10 +362,11 @@ class Group(dist.ProcessGroup):
             return work
         work.wait()  # the flat buffer is a copy: its result goes back into the caller's tensors
         flat, offset = call_args[0], 0
-        with torch.no_grad():
+        with C.raw_writes():
             for t in args["tensors"]:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
+        C.bump_versions(args["tensors"], 1)  # gloo's copy back into each tensor changes its version once
         return Work(Done(g.session, g.owner, args["tensors"]))
 
     def monitoredBarrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:

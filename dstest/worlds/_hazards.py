@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from dstest.worlds._collectives.base import raw_writes
+
 __all__ = ["POISON_BYTE", "guard_call", "guard_recv", "poison", "poison_value"]
 
 POISON_BYTE = 0xA5
@@ -42,10 +44,11 @@ def poison_value(dtype: torch.dtype) -> float | int | bool | complex:
 
 
 def poison(t: torch.Tensor) -> None:
-    """Fill ``t`` with :func:`poison_value` of its dtype (outside autograd)."""
+    """Fill ``t`` with :func:`poison_value` of its dtype (below autograd: no version change, which would
+    fail a backward through a saved tensor that a backend leaves alone until it writes the result)."""
     if t.is_quantized:
         return  # no value to fill a quantized tensor with; it is left as it is
-    with torch.no_grad():
+    with raw_writes():
         t.fill_(poison_value(t.dtype))
 
 
@@ -54,14 +57,15 @@ def _private(t: torch.Tensor) -> torch.Tensor:
 
 
 def _copy_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
-    """What the wait runs: each private result into the caller's tensor, once, outside autograd."""
+    """What the wait runs: each private result into the caller's tensor, once, below autograd whatever the
+    waiting thread's grad mode (the versions changed as gloo's changed them when the result was formed)."""
     done: list[bool] = []
 
     def after() -> None:
         if done:
             return
         done.append(True)
-        with torch.no_grad():
+        with raw_writes():
             for user, mine in pairs:
                 user.copy_(mine)
 

@@ -362,24 +362,25 @@ class Session:
     def _complete(self, ex: Exchange) -> None:
         """By the last rank to arrive, outside the lock: check every call, write every rank's outputs,
         then wake the others. The other ranks are inside the collective or past an async post, so their
-        inputs are read in place (as NCCL reads them); copies never enter autograd (as with gloo)."""
+        inputs are read in place (as NCCL reads them); outputs are written below autograd, whatever this
+        thread's grad mode (as a backend's C++ writes them), their versions changed as gloo's copies change
+        them (see ``C.raw_writes``)."""
         calls: list[C.Call] = ex.calls  # complete: no None left
         error: BaseException | None = None
         failed: dict[int, BaseException] = {}
-        grad = torch.is_grad_enabled()
         try:
             why = ex.verdict()
             if why is not None:
                 error = CollectiveMismatch(why)
             else:
-                if grad:
-                    torch._C._set_grad_enabled(False)
-                failed = calls[0].deliver(calls)
+                with C.raw_writes():
+                    failed = calls[0].deliver(calls)
+                if calls[0].version_bumps:
+                    for c in calls:
+                        if c.group_rank not in failed:
+                            c.bump_versions()
         except Exception as exc:
             error = exc
-        finally:
-            if grad:
-                torch._C._set_grad_enabled(True)
         with self.lock:
             ex.error = error
             for w in ex.sides:
@@ -418,7 +419,7 @@ class Session:
                 matching.p2p_mismatch_text(where, send.global_rank, send.describe(), recv.global_rank, recv.describe())
             )
         else:
-            with torch.no_grad():
+            with C.raw_writes():  # gloo's recv writes in place: no autograd, no version change
                 C.copy_flat(recv.tensor, send.tensor)
         with self.lock:
             send.complete(error)

@@ -21,14 +21,39 @@ __all__ = [
     "IN_PLACE_BYTES",
     "Call",
     "PremulSum",
+    "bump_versions",
     "check_reduce",
     "copy_flat",
     "copy_tensors",
     "describe_tensor",
     "flat_view",
+    "raw_writes",
     "reduce_into",
     "reduce_tensors",
 ]
+
+
+def raw_writes() -> Any:
+    """A context in which tensors are written as a backend's C++ writes them: below autograd and its view
+    and version bookkeeping (``torch._C._AutoDispatchBelowADInplaceOrView``).
+
+    gloo and NCCL write results through raw pointers, so autograd never sees the write: a split view of a
+    parameter takes an all-gather's result whatever the grad mode of the thread that completes the work,
+    and a tensor saved for backward is not marked as changed. Every copy of a collective's data in the
+    threaded world runs in this context; where gloo's C++ does copy through torch's dispatcher, the
+    version change that copy makes is applied afterwards (:meth:`Call.bump_versions`)."""
+    return torch._C._AutoDispatchBelowADInplaceOrView()
+
+
+def bump_versions(tensors: Sequence[torch.Tensor], times: int) -> None:
+    """Move each tensor's version counter on by ``times``, as that many in-place writes would (autograd then
+    refuses a backward through a saved tensor the write changed, as it does after gloo's copies). One tensor
+    at a time: outputs that are views of one base share its counter, and each write counts. Inference
+    tensors keep no counter."""
+    if times:
+        for t in tensors:
+            if not t.is_inference():
+                torch._C._autograd._unsafe_set_version_counter((t,), (t._version + times,))
 
 
 def copy_tensors(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
@@ -170,6 +195,11 @@ class Call:
     """One rank's side of one collective."""
 
     op: ClassVar[str] = "?"
+    #: How many times gloo's C++ copies into each output tensor through torch's dispatcher, each copy one
+    #: version change (measured on torch 2.13's gloo: the gathers, reduce-scatters and the list all_to_all
+    #: copy from a staging buffer; all_reduce, broadcast, reduce, scatter, all_to_all_single and
+    #: point-to-point write in place and change no version).
+    version_bumps: ClassVar[int] = 0
     reduce_op: str | None = None
     root: int | None = None
     #: Whether ranks' shapes must be equal too, not only their element counts (set by the world per run).
@@ -220,7 +250,7 @@ class Call:
         return [None] * len(calls)
 
     def deliver(self, calls: Sequence[Call]) -> dict[int, BaseException]:
-        """Steps 3 and 4 for every rank (by the last to arrive, grad mode off). Returns the group ranks
+        """Steps 3 and 4 for every rank (by the last to arrive, in :func:`raw_writes`). Returns the group ranks
         whose own output could not be written, with the error (each is raised on that rank only)."""
         failed: dict[int, BaseException] = {}
         for call, source in zip(calls, self.combine(calls)):
@@ -235,6 +265,10 @@ class Call:
 
     def outputs(self) -> list[torch.Tensor]:
         return []
+
+    def bump_versions(self) -> None:
+        """After this rank's outputs were written (in :func:`raw_writes`): their version changes, as gloo's."""
+        bump_versions(self.outputs(), self.version_bumps)
 
 
 def _shapes(ts: Sequence[torch.Tensor]) -> str:

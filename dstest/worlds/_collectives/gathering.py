@@ -20,6 +20,7 @@ from dstest.worlds._collectives.base import (
     _shapes,
     _SingleTensorCall,
     _storage,
+    bump_versions,
     copy_flat,
     copy_tensors,
     describe_tensor,
@@ -33,6 +34,7 @@ class _IntoList(Call):
 
     inp: torch.Tensor
     outs: list[torch.Tensor]
+    version_bumps = 1  # gloo gathers into a staging buffer, then copies into each output
 
     def combine(self, calls: Sequence[Call]) -> list[Any]:
         srcs = [c.inp.detach().clone() for c in calls]  # type: ignore[attr-defined]
@@ -85,12 +87,16 @@ class AllGather(_IntoList):
 
 class AllGatherIntoTensor(_SingleTensorCall):
     op = "all_gather_into_tensor"
+    version_bumps = 1  # per chunk: gloo copies from a staging buffer into each rank's chunk of the output
+
+    def bump_versions(self) -> None:
+        bump_versions(self.outputs(), self.group_size)
 
     def check_local(self) -> None:
         self._check_scaled("output", self.out, "input", self.inp)
 
     def combine(self, calls: Sequence[Call]) -> list[Any]:
-        flat = torch.cat([flat_view(c.inp) for c in calls])  # type: ignore[attr-defined]  # (grad is off here)
+        flat = torch.cat([flat_view(c.inp) for c in calls])  # type: ignore[attr-defined]  # (in raw_writes: no graph)
         return [flat] * len(calls)
 
     def finish(self, source: Any) -> None:
@@ -136,6 +142,7 @@ class AllGatherIntoTensor(_SingleTensorCall):
 
 class AllToAll(Call):
     op = "all_to_all"
+    version_bumps = 1  # gloo exchanges through staging buffers, then copies into each output
 
     def __init__(
         self, group_rank: int, group_size: int, outs: Sequence[torch.Tensor], inps: Sequence[torch.Tensor]

@@ -143,6 +143,7 @@ class Broadcast(Call):
 
 class ReduceScatter(Call):
     op = "reduce_scatter"
+    version_bumps = 1  # gloo reduces into a staging buffer, then copies into the output
 
     def __init__(
         self, group_rank: int, group_size: int, out: torch.Tensor, inps: Sequence[torch.Tensor], reduce_op: str
@@ -186,6 +187,7 @@ class ReduceScatter(Call):
 
 class ReduceScatterTensor(_SingleTensorCall):
     op = "reduce_scatter_tensor"
+    version_bumps = 1  # as the list form
 
     def __init__(self, group_rank: int, group_size: int, out: torch.Tensor, inp: torch.Tensor, reduce_op: str) -> None:
         super().__init__(group_rank, group_size, out, inp)
