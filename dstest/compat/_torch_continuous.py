@@ -32,7 +32,7 @@ import pytest
 from dstest.compat._hidden_world import world_hidden
 from dstest.compat._torch_launch import Elsewhere, TorchState
 
-__all__ = ["adapt_continuous_base", "run_continuous"]
+__all__ = ["adapt_continuous_base", "close_class", "run_continuous"]
 
 _SPAWN = "_spawn_processes"
 
@@ -71,10 +71,21 @@ class _ClassRun:
         self.count = 0
 
     def put(self, rank: int, test_id: str | None) -> None:
-        if test_id is None:
+        if test_id is None:  # upstream's poison pill: the class is over
+            if self.remove_files.alive and self.count:
+                self._close()
             self.remove_files()
         elif test_id != self.pending:
             self.pending, self.answers = test_id, []
+
+    def _close(self) -> None:
+        """The class's processes end upstream, and with them what its tests left: the workers put it back
+        (and name it) in a run of their own."""
+        from dstest.worlds.process import ProcessWorld
+        from dstest.worlds.request import RunRequest
+
+        request = RunRequest(close_class, self.world_size, timeout=60.0, watch_modules=("torch.distributed",))
+        ProcessWorld().run(request)
 
     def answer(self, rank: int) -> Any:
         __tracebackhide__ = True
@@ -209,19 +220,29 @@ def run_continuous(
     env: dict[str, str],
 ) -> tuple[str, str]:
     """One rank of one test of a continuous class: ``("ok", test_id)`` or ``("skip", why)``; an error raises."""
-    from dstest.compat._torch_rank import class_as_spawned
+    from dstest.compat._torch_rank import bases_env, class_as_spawned
+    from dstest.worlds.process.byref import fresh_process
 
-    owner = class_as_spawned(module, qualname, path, cwd, env)
-    owner.rank, owner.world_size = ctx.rank, world_size
-    with world_hidden(drop_dist_env=False, replace_after=None, checked=False):
-        try:
-            owner._init_pg(ctx.rank, world_size, rdvz)
-            owner._run_test_given_id(test_id)
-        except unittest.SkipTest as exc:
-            return ("skip", str(exc))
-        except SystemExit as exc:
-            why = _skip_message(exc.code)
-            if why is None:
-                raise
-            return ("skip", why)
+    # upstream's processes serve the whole class: what one test leaves, the next of the class sees
+    with fresh_process(key=f"{module.module}:{qualname}", quiet_env=bases_env) as scope:
+        owner = class_as_spawned(module, qualname, path, cwd, env, scope)
+        owner.rank, owner.world_size = ctx.rank, world_size
+        with world_hidden(drop_dist_env=False, replace_after=None, checked=False):
+            try:
+                owner._init_pg(ctx.rank, world_size, rdvz)
+                owner._run_test_given_id(test_id)
+            except unittest.SkipTest as exc:
+                return ("skip", str(exc))
+            except SystemExit as exc:
+                why = _skip_message(exc.code)
+                if why is None:
+                    raise
+                return ("skip", why)
     return ("ok", test_id)
+
+
+def close_class(ctx: Any) -> None:
+    """On a rank, after the last test of a class: what the class's tests left is put back and named."""
+    from dstest.worlds.process.byref import close_held_scope
+
+    close_held_scope()

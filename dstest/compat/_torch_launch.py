@@ -190,7 +190,7 @@ def _run_warm(state: TorchState, test: Any, fn: Callable[..., Any], join: Callab
     from dstest.compat._torch_rank import plan_of, run_planned
     from dstest.errors import RankFailure, WorkerDied, WorldTimeout
     from dstest.worlds.process import ProcessWorld
-    from dstest.worlds.process.byref import pool_token
+    from dstest.worlds.process.byref import pool_pids, pool_token
     from dstest.worlds.request import RunRequest
 
     planned: list[_Planned] = list(test.processes)
@@ -224,7 +224,8 @@ def _run_warm(state: TorchState, test: Any, fn: Callable[..., Any], join: Callab
             why = "a rank failed while its peers were blocked"
         codes, errors = _codes_of_failure(exc, world_size, error_code)
     finally:
-        if why is None and before is not None and pool_token(world_size) != before:
+        # another pool, or none started (that of the run's first test, started by it, was replaced)
+        if why is None and ((before is not None and pool_token(world_size) != before) or not pool_pids(world_size)):
             why = "the test left its workers unusable"
         if why is not None:
             state.replaced.append(Elsewhere(nodeid, why))

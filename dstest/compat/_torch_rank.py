@@ -15,12 +15,12 @@ import pickle
 import sys
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from dstest.compat._hidden_world import world_hidden
+from dstest.compat._hidden_world import DIST_ENV, world_hidden
 
 if TYPE_CHECKING:
-    from dstest.worlds.process.byref import ModuleRef
+    from dstest.worlds.process.byref import FreshProcess, ModuleRef
 
-__all__ = ["Plan", "TestError", "class_as_spawned", "plan_of", "run_planned"]
+__all__ = ["Plan", "TestError", "bases_env", "class_as_spawned", "plan_of", "run_planned"]
 
 
 class TestError(Exception):
@@ -86,37 +86,56 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def class_as_spawned(module: ModuleRef, qualname: str, path: list[str], cwd: str, env: dict[str, str]) -> Any:
+def class_as_spawned(
+    module: ModuleRef, qualname: str, path: list[str], cwd: str, env: dict[str, str], scope: FreshProcess
+) -> Any:
     """On a rank: this worker made to look like the process a base would have spawned (the pytest process's
     ``sys.path`` first, its working directory, exactly the environment the process would have inherited;
-    dstest's reset puts the worker's back), and the test class ``qualname`` of ``module`` imported there."""
+    dstest's reset puts the worker's back), and the test class ``qualname`` of ``module`` imported there.
+    ``scope`` starts there: what the test changes from then on is put back when it ends."""
     from dstest.worlds.process.byref import import_module_ref, put_path_first
 
     put_path_first(path)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    owner: Any = import_module_ref(module)
+    imported = import_module_ref(module)
+    scope.started(imported)
+    owner: Any = imported
     for part in qualname.split("."):
         owner = getattr(owner, part)
     return owner
 
 
+def bases_env(name: str) -> bool:
+    """Environment variables torch's bases set in every rank (``run_test``'s ``TORCH_SHOW_CPP_STACKTRACES``,
+    the launch variables their ``init_pg``/``_init_pg`` set, the torchcomms ones), which a fresh process
+    per test leaves behind with its process: put back unnamed."""
+    return name in _BASES_ENV or name.startswith("TORCHCOMM_")
+
+
+_BASES_ENV = frozenset((*DIST_ENV, "TORCH_SHOW_CPP_STACKTRACES"))
+
+
 def run_planned(ctx: Any, plans: list[Plan], path: list[str], cwd: str) -> int:
-    """One rank: the base's entry point as ``plans[ctx.rank]`` records it; its exit code."""
+    """One rank: the base's entry point as ``plans[ctx.rank]`` records it; its exit code. The worker is put
+    back as a fresh process per test would leave it (:func:`~dstest.worlds.process.state_watch.fresh_process`)."""
     import multiprocessing
 
+    from dstest.worlds.process.byref import fresh_process
+
     plan = plans[ctx.rank]
-    owner = class_as_spawned(plan.module, plan.cls, path, cwd, plan.env)
-    entry = getattr(owner, plan.method)
-    ours, theirs = multiprocessing.Pipe()
-    args = tuple(theirs if isinstance(a, _Pipe) else a for a in pickle.loads(plan.args))
     code = 0
-    with world_hidden(drop_dist_env=False, replace_after=None, checked=False):
-        try:
-            entry(*args, **pickle.loads(plan.kwargs))
-        except SystemExit as exc:
-            code = _exit_code(exc)
+    with fresh_process(quiet_env=bases_env) as scope:
+        owner = class_as_spawned(plan.module, plan.cls, path, cwd, plan.env, scope)
+        entry = getattr(owner, plan.method)
+        ours, theirs = multiprocessing.Pipe()
+        args = tuple(theirs if isinstance(a, _Pipe) else a for a in pickle.loads(plan.args))
+        with world_hidden(drop_dist_env=False, replace_after=None, checked=False):
+            try:
+                entry(*args, **pickle.loads(plan.kwargs))
+            except SystemExit as exc:
+                code = _exit_code(exc)
     text = None
     try:
         if ours.poll():

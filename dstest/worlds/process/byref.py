@@ -16,6 +16,10 @@ name), so the plugin's own rank function must live at module level; what that fu
   :func:`fork_server_preload` lists what it imports, and :func:`fork_server_from_here` makes the server a
   fork of a process that has imported it all already (a warm session, :mod:`dstest.pytest.warm`);
   :func:`replace_after_this_run`, called on a rank, gives the next run fresh processes.
+- :func:`fresh_process`, on a rank, is the scope of one test run as the harness's fresh process would run
+  it: what the test leaves (its module's globals, ``sys.path``, its imports, signal handlers, torch's
+  settings...) is put back after it and named in the run's ``StateLeftBehind`` warning
+  (:mod:`~dstest.worlds.process.state_watch`); :func:`close_held_scope` ends a scope held across tests.
 - a run itself is a :class:`~dstest.worlds.request.RunRequest` given to ``ProcessWorld().run``; its
   ``strict_shapes=True`` makes a shape-only difference between ranks a mismatch too.
 
@@ -37,12 +41,16 @@ from dstest.worlds.process.launch import (
     start_fork_server,
 )
 from dstest.worlds.process.messages import _FnRef
+from dstest.worlds.process.state_watch import FreshProcess, close_held_scope, fresh_process
 
 __all__ = [
+    "FreshProcess",
     "ModuleRef",
+    "close_held_scope",
     "fork_server_from_here",
     "fork_server_preload",
     "free_port",
+    "fresh_process",
     "import_module_ref",
     "module_ref",
     "pool_pids",
