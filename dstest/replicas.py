@@ -9,8 +9,8 @@ the ranks grouped by value, and the largest difference.
 
 It is a collective: every rank of ``group`` calls it, with the same structure of tensors. It uses only
 ordinary ``torch.distributed`` collectives, so it runs the same on the threaded world, the process world and
-NCCL. To stay cheap it exchanges, per tensor, a digest of its bytes (BLAKE2b, 128 bits: no change of bits can
-cancel out in it, as it could in a sum) and gathers a tensor's values only when digests differ. Tensors are
+NCCL. To stay cheap it exchanges, per tensor, a digest of its bytes (SHA-256, 128 bits of it: no change of bits
+can cancel out in it, as it could in a sum) and gathers a tensor's values only when digests differ. Tensors are
 matched by name (a dict by key, in any order) and compared as the values they stand for (conjugate and negative
 views resolved, any strides). Every rank ends with the same verdict and raises the same
 :class:`~dstest.errors.ReplicasDiverge` (or, for names it cannot tell apart, the same
@@ -212,7 +212,7 @@ def _entries(obj: object, pg: Any, ranks: tuple[int, ...]) -> tuple[str, list[_E
 
 
 # -- digests and values ------------------------------------------------------------------------------------------
-#: Bytes of a tensor's digest: 128 bits, exchanged as two int64.
+#: Bytes of a tensor's digest: 128 bits (of SHA-256's 256), exchanged as two int64.
 _DIGEST_BYTES = 16
 
 
@@ -231,22 +231,25 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def _digest(t: torch.Tensor) -> bytes:
-    """BLAKE2b (128 bits) of the bytes of ``t``'s values: the same on every rank for the same bits, and no change
-    of bits, however placed, makes two digests equal except by a chance of 2**-128.
+    """SHA-256 of the bytes of ``t``'s values, its first 128 bits: the same on every rank for the same bits, and no
+    change of bits, however placed, makes two digests equal except by a chance of 2**-128.
 
     A hash, not a sum: a sum of words (weighted or not) is linear, so changes that add up to nothing (a sign
     flipped in many elements, two -0.0, values moved by the weights' period) cancel and replicas that differ
-    pass. hashlib's BLAKE2b is in the standard library, runs near 1 GB/s on any CPU, and releases the GIL over
-    buffers this size, so the threaded world's ranks hash at once. The bytes are read in place (through ctypes,
-    which needs no numpy and knows every dtype, bfloat16 included); a tensor elsewhere (CUDA) is copied to the
-    CPU first."""
+    pass. SHA-256 rather than BLAKE2b, both in the standard library: hashlib runs SHA-256 through OpenSSL, on the
+    CPU's SHA instructions where it has them (AMD since Zen, Intel since Ice Lake, Arm's crypto extensions),
+    measured 2.3 times faster than BLAKE2b on this project's machines (31 against 72 ms for 40 MiB, AMD EPYC);
+    an older CPU without them (Intel before Ice Lake) hashes in software, where SHA-256 is the slower of the two
+    (not measured here). hashlib releases the GIL over buffers this size, so the threaded world's ranks hash at
+    once. The bytes are read in place (through ctypes, which needs no numpy and knows every dtype, bfloat16
+    included); a tensor elsewhere (CUDA) is copied to the CPU first."""
     raw = _raw(t)
     if raw.device.type != "cpu":
         raw = raw.cpu()
-    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    h = hashlib.sha256()
     if raw.numel():
         h.update((ctypes.c_ubyte * raw.numel()).from_address(raw.data_ptr()))
-    return h.digest()
+    return h.digest()[:_DIGEST_BYTES]
 
 
 def _digests(tensors: list[torch.Tensor]) -> torch.Tensor:
