@@ -717,3 +717,27 @@ def test_one_element_of_a_strided_view(world):
     *same, changed = _same_everywhere([tuple(r) for r in dstest.run(one_element_of_a_strided_view, 2, world=world)])
     assert same == [None, None, None]
     assert changed is not None and "tensor 'v' (float32[1, 1]) differs bit for bit: ranks [0] vs ranks [1]" in changed
+
+
+class _Alike:
+    """A dict key that prints as the string 'a' does: a name assert_replicas cannot tell from 'a'."""
+
+    def __repr__(self) -> str:
+        return "'a'"
+
+
+def names_alike(ctx) -> list[str]:
+    """Rank 1 holds 'a' and a key printing alike: every rank raises the same InvalidArgument (the names are judged
+    from what the ranks gathered), and the world goes on to a check that passes."""
+    t = torch.zeros(2)
+    held = {"a": t} if ctx.rank == 0 else {"a": t, _Alike(): t}
+    with pytest.raises(InvalidArgument) as info:
+        ctx.assert_replicas(held)
+    ctx.assert_replicas({"a": t})
+    return [str(info.value)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_names_alike_are_an_invalid_argument_on_every_rank(world):
+    (msg,) = _same_everywhere([tuple(r) for r in dstest.run(names_alike, 2, world=world)])
+    assert "rank 1 holds two tensors named tensor 'a'" in msg and "give them names that differ" in msg
