@@ -5,6 +5,7 @@ are in test_process_world.py and test_compat_torch.py."""
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 import warnings
@@ -143,3 +144,125 @@ def test_a_function_compiled_in_a_watched_module_runs_again_on_the_warm_workers(
 
     for _ in range(3):
         assert ProcessWorld().run(RunRequest(_call_compiled, 2, watch_modules=(__name__,), timeout=120)) == [2.0, 4.0]
+
+
+# -- the scope of one test as a fresh process would run it (fresh_process: torch's test bases) --------------
+
+
+@pytest.fixture
+def user_code(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """A test module of the user's that imports a helper of theirs, and modules a test imports later; their
+    directory on sys.path. What the scopes kept of them is forgotten afterwards."""
+    from dstest.worlds.process import state_watch
+
+    (tmp_path / "scoped_helper.py").write_text("ITEMS = []\n")
+    (tmp_path / "scoped_tests.py").write_text("import scoped_helper\n\nSEEN = []\nTABLE = {'k': [1]}\n")
+    (tmp_path / "scoped_late.py").write_text("VALUE = 1\n")
+    (tmp_path / "scoped_pkg").mkdir()
+    (tmp_path / "scoped_pkg" / "__init__.py").write_text("")
+    (tmp_path / "scoped_pkg" / "sub.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = ("scoped_helper", "scoped_tests", "scoped_late", "scoped_pkg", "scoped_pkg.sub")
+    yield tmp_path
+    for name in names:
+        sys.modules.pop(name, None)
+        state_watch._AS_IMPORTED.pop(name, None)
+
+
+def _import(name: str) -> types.ModuleType:
+    import importlib
+
+    return importlib.import_module(name)
+
+
+def test_a_fresh_process_scope_puts_back_what_the_test_left_and_names_each_thing(user_code, monkeypatch) -> None:
+    """Everything a fresh interpreter per test would not have kept: put back, named; a signal handler, which
+    Python cannot be sure to put back, also has the worker replaced."""
+    import signal
+
+    from dstest.worlds.process.state_watch import fresh_process, take_pending
+
+    take_pending()
+    monkeypatch.setenv("DSTEST_SCOPE_SET", "before")  # monkeypatch puts it back even if the scope fails to
+    cwd, dtype, threads, printed = (
+        os.getcwd(),
+        torch.get_default_dtype(),
+        torch.get_num_threads(),
+        str(torch.ones(1) / 3),
+    )
+    with fresh_process() as scope:
+        tests = _import("scoped_tests")  # as the rank imports the test module, before it starts
+        scope.started(tests)
+        tests.SEEN.append(1)
+        tests.TABLE["k"].append(2)
+        tests.ADDED = True
+        sys.modules["scoped_helper"].ITEMS.append(3)
+        _import("scoped_late")
+        _import("scoped_pkg.sub")
+        _import("json.tool")  # a library: stays
+        sys.path.insert(0, "/dstest-scope-left")
+        os.environ["DSTEST_SCOPE_SET"] = "after"
+        os.chdir(user_code)
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        torch.set_default_dtype(torch.float64)
+        torch.set_num_threads(threads + 1)
+        torch.set_printoptions(precision=2)
+    found, unusable = take_pending()
+    assert sorted(found) == sorted(
+        [
+            "scoped_tests.SEEN: its list changed in place; contents put back",
+            "scoped_tests.TABLE: a list inside it changed in place; contents put back",
+            "scoped_tests.ADDED: added by the run (bool); removed",
+            "scoped_helper.ITEMS: its list changed in place; contents put back",
+            "sys.modules['scoped_late']: imported by the run; removed (a fresh process imports it anew)",
+            "sys.modules['scoped_pkg'] (and 1 of its submodules): imported by the run; removed (a fresh process "
+            "imports it anew)",
+            "sys.path: '/dstest-scope-left' added by the run; removed",
+            "os.environ['DSTEST_SCOPE_SET']: changed by the run; put back",
+            f"working directory: changed by the run to {str(user_code)!r}; put back",
+            "signal handler of SIGUSR2: set by the run; put back, and the worker is replaced",
+            "torch default dtype: torch.float32 -> torch.float64 by the run; put back",
+            f"torch num threads: {threads} -> {threads + 1} by the run; put back",
+            "torch print options: {'precision': 4} -> {'precision': 2} by the run; put back",
+        ]
+    ), found
+    assert unusable == "the run set the handler of SIGUSR2"
+    assert tests.SEEN == [] and tests.TABLE == {"k": [1]} and not hasattr(tests, "ADDED")
+    assert sys.modules["scoped_helper"].ITEMS == [] and "json.tool" in sys.modules
+    assert "scoped_late" not in sys.modules and "scoped_pkg" not in sys.modules and "scoped_pkg.sub" not in sys.modules
+    assert "/dstest-scope-left" not in sys.path and os.environ["DSTEST_SCOPE_SET"] == "before" and os.getcwd() == cwd
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+    assert (torch.get_default_dtype(), torch.get_num_threads(), str(torch.ones(1) / 3)) == (dtype, threads, printed)
+
+
+def test_a_scope_with_nothing_changed_reports_nothing(user_code) -> None:
+    from dstest.worlds.process.state_watch import fresh_process, take_pending
+
+    take_pending()
+    for _ in range(2):
+        with fresh_process(quiet_env=lambda name: name == "DSTEST_QUIET") as scope:
+            scope.started(_import("scoped_tests"))
+            os.environ["DSTEST_QUIET"] = "set by the harness in every rank"
+            torch.manual_seed(1)  # the RNG is a fresh process's at the start of each test, not compared
+        assert take_pending() == ([], None) and "DSTEST_QUIET" not in os.environ
+
+
+def test_a_held_scope_keeps_what_its_tests_leave_until_a_test_of_another_key(user_code) -> None:
+    """torch's continuous bases: one process serves a class's tests, so the next test of the class sees what
+    the last one left; the next class starts afresh, and what the class left is named then."""
+    from dstest.worlds.process.state_watch import close_held_scope, fresh_process, take_pending
+
+    take_pending()
+    for expected in ([], [1]):
+        with fresh_process(key="ClassA") as scope:
+            tests = _import("scoped_tests")
+            scope.started(tests)
+            assert tests.SEEN == expected
+            tests.SEEN.append(1)
+        assert take_pending() == ([], None)
+    with fresh_process(key="ClassB") as scope:
+        scope.started(_import("scoped_tests"))
+        assert tests.SEEN == []
+    assert take_pending() == (["scoped_tests.SEEN: its list changed in place; contents put back"], None)
+    close_held_scope()
+    assert take_pending() == ([], None)

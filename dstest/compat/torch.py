@@ -21,10 +21,14 @@ the test files have imported them, at collection, and copies none of their code:
   collective that does not match across ranks, a deadlock, unwaited work are errors naming the ranks); the
   base's own ``perThreadSetUp``/``perThreadTearDown`` and its ``_check_return_codes`` judge the outcome.
   See :mod:`dstest.compat._torch_threaded`.
-- Between tests each worker is put back to what a fresh process has: dstest's resets (environment, working
-  directory, default dtype, deterministic switch, grad mode) and :func:`reset_torch_testing` (default
-  device, dynamo's caches, DeviceMesh's bookkeeping), and torch.distributed's module globals are watched:
-  what a test leaves changed there is put back and named in a ``StateLeftBehind`` warning.
+- Between tests each worker is put back to what upstream's fresh process per rank per test has (per class,
+  on the continuous bases): the test module's globals as its import left them, ``sys.path``, the modules
+  of the user's own the test imported, the environment, the working directory, signal handlers, torch's
+  global settings and RNG (:func:`dstest.worlds.process.byref.fresh_process`), and torch.distributed's
+  module globals; what a test left is put back and named in a ``StateLeftBehind`` warning. dstest's
+  resets (environment, working directory, default dtype, deterministic switch, grad mode) and
+  :func:`reset_torch_testing` (default device, dynamo's caches, DeviceMesh's bookkeeping) put back what is
+  known to change without a report.
 - A test that needs a fresh process gets the base's own processes: a class with
   ``dstest_fresh_process = "<why>"`` or a test marked ``@pytest.mark.dstest_fresh_process("<why>")``. The
   terminal summary lists them, and the tests after which a pool was replaced.

@@ -383,7 +383,7 @@ def _restore_path(saved: ProcessState) -> list[str]:
         before, after = set(saved.path), set(now)
         found = [f"sys.path: {p!r} added by the run; removed" for p in dict.fromkeys(now) if p not in before]
         found += [f"sys.path: {p!r} removed by the run; put back" for p in dict.fromkeys(saved.path) if p not in after]
-        found = found or ["sys.path: reordered by the run; put back"]
+        found = found or ["sys.path: its entries reordered or repeated by the run; put back"]
     sys.path = saved.path_list
     if sys.path != saved.path:
         sys.path[:] = saved.path
@@ -570,8 +570,7 @@ def _restore_torch(saved: dict[str, Any], found: list[str], unusable: list[str])
     switches = {label: (get, put) for label, get, put in _torch_switches()}
     differ = [label for label, value in saved.items() if switches[label][0]() != value]
     for label in differ:
-        get, put = switches[label]
-        found.append(f"torch {label}: {saved[label]!r} -> {get()!r} by the run; put back")
+        found.append(f"torch {label}: {_change(saved[label], switches[label][0]())} by the run; put back")
     for _ in range(2):  # some settings move others (float32 matmul precision and the fp32 precisions)
         for label in differ:
             get, put = switches[label]
@@ -579,6 +578,15 @@ def _restore_torch(saved: dict[str, Any], found: list[str], unusable: list[str])
                 with contextlib.suppress(Exception):
                     put(saved[label])
     unusable.extend(f"could not put back torch {label}" for label in differ if switches[label][0]() != saved[label])
+
+
+def _change(old: Any, new: Any) -> str:
+    """``old -> new``; of settings kept as (name, value) pairs (print options), the pairs that changed."""
+    if type(old) is tuple and type(new) is tuple and all(type(p) is tuple and len(p) == 2 for p in old + new):
+        before, after = dict(old), dict(new)
+        keys = [k for k in dict.fromkeys([*before, *after]) if before.get(k, _MISSING) != after.get(k, _MISSING)]
+        old, new = ({k: d[k] for k in keys if k in d} for d in (before, after))
+    return f"{old!r} -> {new!r}"
 
 
 def _restore_modules(saved: dict[str, Any]) -> list[str]:
