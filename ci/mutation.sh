@@ -12,6 +12,7 @@
 #            module, in tests_for below; a module not listed there needs TESTS)
 #   WORK     the directory to run in (default: a new one under /tmp). Give an earlier run's WORK again to
 #            resume it: mutmut keeps its results in WORK/mutants and tests only what it has not decided
+#   AGAIN    with WORK of an earlier run: 1 tests again only the mutants that survived it (after new tests)
 #   PYTHON   the Python with dstest, its test extra and mutmut 3 (pip install mutmut); default python
 #   WORKERS  mutmut's --max-children (default 1: the project's machines have two shared cores)
 #
@@ -19,9 +20,10 @@
 # checkout meanwhile changes nothing; pyproject.toml's [tool.mutmut] is rewritten there for MODULE... At the
 # end it prints the score per module and writes every surviving mutant's diff to WORK/survivors.txt.
 set -euo pipefail
+main() {  # all of it in a function: bash reads a script as it runs, and the file may be edited meanwhile
 if [ $# -eq 0 ]; then
   sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
-  exit 2
+  return 2
 fi
 root=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-python}
@@ -57,9 +59,8 @@ fi
 
 work=${WORK:-$(mktemp -d /tmp/dstest-mutation.XXXXXX)}
 mkdir -p "$work"
-if [ ! -d "$work/mutants" ]; then  # a fresh run: copy the work tree; a resumed one keeps its copy
-  (cd "$root" && git ls-files -co --exclude-standard -z | tar --null -T - --ignore-failed-read -cf -) | tar -xf - -C "$work"
-fi
+# The work tree as it is now (a resumed run too: mutmut then tests the new tests against its mutants)
+(cd "$root" && git ls-files -co --exclude-standard -z | tar --null -T - --ignore-failed-read -cf -) | tar -xf - -C "$work"
 "$python" - "$work/pyproject.toml" "$#" "$@" "${tests[@]}" <<'PY'
 import re, sys
 path, n = sys.argv[1], int(sys.argv[2])
@@ -97,7 +98,12 @@ echo "mutation.sh: mutating $* in $work, tests: ${tests[*]}"
 cd "$work"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 status=0
-nice -n 10 "$python" -m mutmut run --max-children "$workers" || status=$?
+again=()
+if [ -n "${AGAIN:-}" ] && [ -d mutants ]; then  # only the mutants an earlier run left alive
+  read -r -a again <<< "$("$python" -m mutmut results | awk '/: (survived|no tests|timeout)$/ {sub(":", "", $1); print $1}' | tr '\n' ' ')"
+  echo "mutation.sh: again: ${#again[@]} mutants"
+fi
+nice -n 10 "$python" -m mutmut run --max-children "$workers" "${again[@]}" || status=$?
 
 # The score per module, from mutmut's verdict of every mutant (names: dotted module path, then the function).
 "$python" -m mutmut results --all true > results.txt
@@ -128,4 +134,7 @@ for name in $(awk '/: (survived|no tests)$/ {sub(":", "", $1); print $1}' result
   echo >> survivors.txt
 done
 echo "mutation.sh: $(grep -c '^# ' survivors.txt || true) surviving mutants (with their diffs) in $work/survivors.txt"
-exit $status
+return $status
+}
+main "$@"
+exit $?

@@ -300,9 +300,11 @@ def perturb(kind: str, c: Coll, bad: int, draw: st.DrawFn) -> Coll | None:
         else:
             splits[j][bad] += 1
         return replace(c, splits=tuple(tuple(s) for s in splits))
-    if kind == "pairing" and op == "all_to_all":  # another dtype on one pairing only
+    if kind == "pairing" and op == "all_to_all":  # what bad sends to j and expects from j, swapped
         j = draw(st.sampled_from([i for i in range(c.n) if i != bad]))
-        return None if c.pairs[bad][j] == c.pairs[j][bad] else replace(c, pairs=_transposed_pair(c.pairs, bad, j))
+        if _numel(c.pairs[bad][j]) == _numel(c.pairs[j][bad]):
+            return None  # nothing changes (non-strict: the element counts are compared)
+        return replace(c, pairs=_transposed_pair(c.pairs, bad, j))
     return None
 
 
@@ -358,6 +360,29 @@ def test_one_perturbed_call_is_refused_naming_both_ranks(
     assert why is not None and why.startswith(f"collective mismatch on group {label} (seq {seq}): ")
     if kind == "op":
         assert why.endswith("(different collectives)")
+
+
+@given(g=groups(min_size=2), data=st.data(), kind=st.sampled_from(["count", "splits", "pairing", "device"]))
+def test_a_perturbed_pairing_is_refused_once_every_rank_joined(
+    g: tuple[int, tuple[int, ...], str], data: Any, kind: str
+) -> None:
+    """What only all the calls together show (``check_all``: who sends what to whom in all_to_all and
+    all_to_all_single): refused when the last rank joins, naming the pair and listing every call."""
+    world, members, name = g
+    coll = data.draw(colls(n=len(members), ops=["all_to_all", "all_to_all_single"]))
+    bad = data.draw(st.integers(0, coll.n - 1))
+    odd = perturb(kind, coll, bad, data.draw)
+    # all_to_all_single's row shape and device type are in its key: refused as the rank joins
+    assume(odd is not None and not (coll.op == "all_to_all_single" and kind in ("count", "device")))
+    assert odd is not None
+    calls = {r: build(odd if r == bad else coll, r) for r in range(coll.n)}
+    label = matching.group_label(name, members, world)
+    ex = matching.Exchange(members, label, 3)
+    for r in data.draw(st.permutations(range(coll.n))):
+        assert ex.join(calls[r]) is None, "the pairing is only refused once every rank joined"
+    why = ex.verdict()
+    assert why is not None and why.startswith(f"collective mismatch on group {label} (seq 3): rank ")
+    _assert_names_both(why, bad, calls, members)
 
 
 @given(g=groups(min_size=2), data=st.data())
@@ -816,7 +841,7 @@ def test_a_tensor_and_its_metadata_have_one_signature_and_description(
     meta = _Meta.of(t)
     for strict in (False, True):
         assert matching.signature(t, strict) == matching.signature(meta, strict)
-    assert matching.signature(t, True) == (dtype, tuple(shape), device)
+    assert matching.signature(t) == matching.signature(t, True) == (dtype, tuple(shape), device)  # strict by default
     assert matching.signature(t, False) == (dtype, _numel(shape), device)
     assert matching.describe_tensor(t) == matching.describe_tensor(meta)
     assert matching.describe_tensor(t) == f"{str(dtype).replace('torch.', '')}{list(shape)}@{device}"

@@ -24,6 +24,20 @@ pytestmark = pytest.mark.cpu
 METHOD = {m.name: m for m in c10d.METHODS}
 
 
+class _Dev:
+    type = "cpu"
+
+
+class _Meta:
+    """A float32 buffer's metadata, as the process world posts it (the core needs no tensor)."""
+
+    dtype = "float32"
+    device = _Dev()
+
+    def __init__(self, *shape: int) -> None:
+        self.shape = shape
+
+
 # -- c10d: one tensor per rank, peers, binding ---------------------------------------------------------------
 def test_one_tensor_takes_the_single_tensor_and_names_the_count_otherwise() -> None:
     t = object()
@@ -115,3 +129,68 @@ def test_a_transfer_whose_peer_left_names_the_side_that_never_came(kind: str, ot
         f"{other}: the transfer can never complete"
     )
     assert matching.p2p_left_text(2, "w", kind, 3).startswith(f"rank 2 called w, but rank 3 {matching.FINISHED} ")
+
+
+def test_a_transfer_is_described_with_its_direction() -> None:
+    buffer = _Meta(4)
+    assert matching.p2p_describe("send", buffer, 1, 0, "group world") == (
+        "send(float32[4]@cpu to rank 1, tag=0) on group world"
+    )
+    assert matching.p2p_describe("recv", buffer, 2, 7, "group 1 [0, 2]") == (
+        "recv(float32[4]@cpu from rank 2, tag=7) on group 1 [0, 2]"
+    )
+
+
+# -- matching: a member that left after posting its side -------------------------------------------------------
+class _Call:
+    """A stand-in for one rank's side of a collective (the core needs only these four methods)."""
+
+    def __init__(self, group_rank: int) -> None:
+        self.group_rank = group_rank
+
+    def describe(self) -> str:
+        return f"op(from {self.group_rank})"
+
+    def key(self) -> tuple[Any, ...]:
+        return ("op",)
+
+    def check_peer(self, first: Any) -> str | None:
+        return None
+
+    def check_all(self, calls: Any) -> str | None:
+        return None
+
+
+def test_a_member_that_left_after_posting_is_named_with_the_side_it_never_waited_for() -> None:
+    """The process world issues a collective when every rank posted it; a rank that posts and leaves without
+    waiting dooms the others' sides: the text says so, and which ranks have not joined."""
+    ex = matching.Exchange((1, 3, 5), "2 [1, 3, 5]", 4)
+    assert ex.join(_Call(1)) is None and ex.join(_Call(0)) is None
+    assert ex.left({3}) is None  # it joined: it is not missing
+    assert ex.left_text(3, "failed (ValueError: x)") == (
+        "collective on group 2 [1, 3, 5] (seq 4) cannot complete: rank 3 failed (ValueError: x) without waiting "
+        "for its op(from 1), and ranks [5] have not joined; rank 1 called op(from 0); rank 3 called op(from 1)"
+    )
+    assert ex.left_text(5) == (
+        f"rank 5 {matching.FINISHED} without joining op(from 1) on group 2 [1, 3, 5] (seq 4) (rank 1 called "
+        "op(from 0); rank 3 called op(from 1)): it can never complete"
+    )
+
+
+def test_only_the_default_group_of_every_rank_is_called_world() -> None:
+    assert matching.group_label("0", (0, 1, 2), 3) == "world"
+    assert matching.group_label("1", (0, 1, 2), 3) == "1 [0, 1, 2]"  # a new group of every rank
+    assert matching.group_label("0", (0, 2), 3) == "0 [0, 2]"
+
+
+def test_a_scatter_list_entry_of_another_shape_is_refused_on_the_root() -> None:
+    """gloo refuses a scatter_list entry whose shape differs from the output's, even with as many elements:
+    so does the local check (``signature`` is strict unless told otherwise)."""
+    import torch
+
+    from dstest.worlds import _collectives as C
+
+    call = C.Scatter(0, 2, torch.empty(6), [torch.empty(6), torch.empty(2, 3)], 0)
+    with pytest.raises(InvalidArgument) as info:
+        call.check_local()
+    assert str(info.value) == "scatter: scatter_list[1] is float32[2, 3]@cpu, the output is float32[6]@cpu"
