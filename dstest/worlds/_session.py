@@ -376,9 +376,7 @@ class Session:
                 with C.raw_writes():
                     failed = calls[0].deliver(calls)
                 if calls[0].version_bumps:
-                    for c in calls:
-                        if c.group_rank not in failed:
-                            c.bump_versions()
+                    calls[0].bump_versions([c for c in calls if c.group_rank not in failed] if failed else calls)
         except Exception as exc:
             error = exc
         with self.lock:

@@ -45,15 +45,19 @@ def raw_writes() -> Any:
     return torch._C._AutoDispatchBelowADInplaceOrView()
 
 
-def bump_versions(tensors: Sequence[torch.Tensor], times: int) -> None:
+def bump_versions(tensors: Sequence[torch.Tensor], times: int, *, apart: bool = False) -> None:
     """Move each tensor's version counter on by ``times``, as that many in-place writes would (autograd then
-    refuses a backward through a saved tensor the write changed, as it does after gloo's copies). One tensor
-    at a time: outputs that are views of one base share its counter, and each write counts. Inference
-    tensors keep no counter."""
-    if times:
-        for t in tensors:
-            if not t.is_inference():
-                torch._C._autograd._unsafe_set_version_counter((t,), (t._version + times,))
+    refuses a backward through a saved tensor the write changed, as it does after gloo's copies). Tensors
+    that are views of one base share its counter, and each write counts: one tensor at a time, unless the
+    caller knows them ``apart`` (one output per rank), then in one call. Inference tensors keep no counter."""
+    if not times:
+        return
+    ts = [t for t in tensors if not t.is_inference()]
+    if apart:
+        torch._C._autograd._unsafe_set_version_counter(tuple(ts), tuple(t._version + times for t in ts))
+        return
+    for t in ts:
+        torch._C._autograd._unsafe_set_version_counter((t,), (t._version + times,))
 
 
 def copy_tensors(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
@@ -266,9 +270,11 @@ class Call:
     def outputs(self) -> list[torch.Tensor]:
         return []
 
-    def bump_versions(self) -> None:
-        """After this rank's outputs were written (in :func:`raw_writes`): their version changes, as gloo's."""
-        bump_versions(self.outputs(), self.version_bumps)
+    def bump_versions(self, calls: Sequence[Call]) -> None:
+        """After the outputs of ``calls`` (this collective's ranks whose outputs were written, in
+        :func:`raw_writes`) were written: their versions change as gloo's copies change them."""
+        for c in calls:
+            bump_versions(c.outputs(), self.version_bumps)
 
 
 def _shapes(ts: Sequence[torch.Tensor]) -> str:
@@ -314,3 +320,10 @@ class _SingleTensorCall(Call):
 
     def outputs(self) -> list[torch.Tensor]:
         return [self.out]
+
+    def bump_versions(self, calls: Sequence[Call]) -> None:
+        # One output per rank (the hot all_gather_into_tensor and reduce_scatter_tensor): one call into torch.
+        bump_versions([t for c in calls for t in c.outputs()], self._bumps(), apart=True)
+
+    def _bumps(self) -> int:
+        return self.version_bumps

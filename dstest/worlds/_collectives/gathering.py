@@ -20,7 +20,6 @@ from dstest.worlds._collectives.base import (
     _shapes,
     _SingleTensorCall,
     _storage,
-    bump_versions,
     copy_flat,
     copy_tensors,
     describe_tensor,
@@ -89,8 +88,8 @@ class AllGatherIntoTensor(_SingleTensorCall):
     op = "all_gather_into_tensor"
     version_bumps = 1  # per chunk: gloo copies from a staging buffer into each rank's chunk of the output
 
-    def bump_versions(self) -> None:
-        bump_versions(self.outputs(), self.group_size)
+    def _bumps(self) -> int:
+        return self.group_size
 
     def check_local(self) -> None:
         self._check_scaled("output", self.out, "input", self.inp)
