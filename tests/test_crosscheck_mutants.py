@@ -1,0 +1,64 @@
+"""crosscheck's details that mutation testing showed no fast test pinned down (docs/checking-the-checkers.md).
+
+``bash ci/mutation.sh dstest/crosscheck.py`` runs mutmut over :mod:`dstest.crosscheck` with the comparison's
+properties (tests/test_checker_properties_crosscheck.py) and this file. Each test here states what contract
+E14 promises a user reads when the worlds differ (the text naming the call of the trace that differs, the
+layout of two tensors, the values of two sets) and fails for at least one mutant that survived the
+properties. Pure: the comparison and the trace's text are driven directly, no world is run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dstest.crosscheck import _trace_difference, difference
+
+pytestmark = pytest.mark.cpu
+
+# trace signatures as trace_signature gives them: (op, group, seq, dtype, shapes, reduce_op, root, peer, tag)
+ALL_REDUCE = ("all_reduce", "world", 1, "torch.float32", ((2, 3),), "SUM", None, None, 0)
+BROADCAST = ("broadcast", "world", 2, "torch.float32", ((4,),), None, 0, None, 0)
+SEND = ("send", "group [0, 1]", None, "torch.int64", ((1,),), None, None, 1, 0)
+
+
+def test_a_trace_difference_names_the_rank_the_call_and_each_worlds_call_in_full() -> None:
+    """Every field a world may get wrong is shown: reduce op, root (rank 0 too), peer, and the sequence number
+    only where the call has one."""
+    traces = {"threaded": [[ALL_REDUCE, BROADCAST], [ALL_REDUCE]], "process": [[ALL_REDUCE, SEND], [ALL_REDUCE]]}
+    assert _trace_difference(2, traces) == (
+        "rank 0's call 2: threaded world broadcast(torch.float32[4], root=0) on world (seq 2), "
+        "process world send(torch.int64[1], peer=1) on group [0, 1]"
+    )
+    traces = {"threaded": [[ALL_REDUCE], [BROADCAST]], "process": [[ALL_REDUCE], [ALL_REDUCE]]}
+    assert _trace_difference(2, traces) == (
+        "rank 1's call 1: threaded world broadcast(torch.float32[4], root=0) on world (seq 2), "
+        "process world all_reduce(torch.float32[2, 3], op=SUM) on world (seq 1)"
+    )
+
+
+def test_a_call_made_on_one_world_only_is_named_against_no_call() -> None:
+    traces = {"threaded": [[ALL_REDUCE], [ALL_REDUCE]], "process": [[ALL_REDUCE], [ALL_REDUCE, BROADCAST]]}
+    assert _trace_difference(2, traces) == (
+        "rank 1's call 2: threaded world no call, process world broadcast(torch.float32[4], root=0) on world (seq 2)"
+    )
+    assert _trace_difference(2, {"threaded": [[ALL_REDUCE], []], "process": [[ALL_REDUCE], []]}) is None
+
+
+def test_tensors_of_another_layout_or_on_meta_are_named_by_it() -> None:
+    dense = torch.zeros(2, 3)
+    assert str(difference(dense, dense.to_sparse())) == "the value: strided vs sparse_coo tensors"
+    meta = torch.empty(2, 3, device="meta")
+    assert str(difference(meta, dense)) == "the value: meta vs strided tensors"
+    assert difference(meta, torch.empty(2, 3, device="meta")) is None  # no data: dtype and shape are all
+
+
+def test_sets_that_differ_name_what_only_each_side_holds() -> None:
+    found = difference({1, 2}, {2, 3}, names=("threaded world", "process world"), where="rank 0's result")
+    assert str(found) == "rank 0's result: only on the threaded world: {1}; only on the process world: {3}"
+    assert difference(frozenset({1}), frozenset({1})) is None
+
+
+def test_sequences_of_another_length_name_both_lengths() -> None:
+    assert str(difference((1, 2), (1, 2, 3))) == "the value: tuple of 2 vs tuple of 3"
+    assert str(difference([1], [])) == "the value: list of 1 vs list of 0"
