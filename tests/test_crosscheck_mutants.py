@@ -42,6 +42,10 @@ def test_a_call_made_on_one_world_only_is_named_against_no_call() -> None:
     assert _trace_difference(2, traces) == (
         "rank 1's call 2: threaded world no call, process world broadcast(torch.float32[4], root=0) on world (seq 2)"
     )
+    traces = {"threaded": [[ALL_REDUCE, SEND]], "process": [[ALL_REDUCE]]}
+    assert _trace_difference(1, traces) == (
+        "rank 0's call 2: threaded world send(torch.int64[1], peer=1) on group [0, 1], process world no call"
+    )
     assert _trace_difference(2, {"threaded": [[ALL_REDUCE], []], "process": [[ALL_REDUCE], []]}) is None
 
 

@@ -167,3 +167,12 @@ def test_a_fault_after_the_kill_of_its_rank_names_the_kill() -> None:
         "Fail(rank=0, op='broadcast', nth=1) never fired: rank 0 was killed first, by "
         "Kill(rank=0, op='all_reduce', nth=1) at its all_reduce #1 on any group"
     ]
+
+
+def test_a_fault_on_a_group_the_rank_never_called_on_counts_0_calls_there() -> None:
+    tally = RankFaults([Fail(0, group="world")], 0)
+    tally.hit("all_reduce", False, [0, 1])  # on a subgroup only
+    assert tally.not_fired() == [
+        "Fail(rank=0, op='all_reduce', nth=1, group='world') never fired: rank 0 made 0 all_reduce calls on group "
+        "world (1 on any group)"
+    ]
