@@ -66,3 +66,19 @@ def test_sets_that_differ_name_what_only_each_side_holds() -> None:
 def test_sequences_of_another_length_name_both_lengths() -> None:
     assert str(difference((1, 2), (1, 2, 3))) == "the value: tuple of 2 vs tuple of 3"
     assert str(difference([1], [])) == "the value: list of 1 vs list of 0"
+
+
+def test_missing_and_extra_keys_are_named_with_the_side_that_holds_them() -> None:
+    found = difference({"a": 1, "b": 2, "d": 0}, {"a": 1, "c": 3}, names=("threaded world", "process world"))
+    assert str(found) == "the value: keys ['b', 'd'] only on the threaded world, ['c'] only on the process world"
+    assert str(difference({"a": 1}, {"a": 1, "c": 3})) == "the value: keys ['c'] only on the second"
+
+
+def test_the_bits_of_two_nans_are_shown_as_the_number_they_make() -> None:
+    """Little-endian, as stored, and as wide as the element: 0x7fc00001 is float32's NaN with payload 1."""
+    a, b = torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0])
+    a[1:].view(torch.int32).fill_(0x7FC00001)
+    b[1:].view(torch.int32).fill_(0x7FC00002)
+    assert str(difference(a, b)) == (
+        "[1]: torch.float32 tensors differ: nan vs nan (bits 0x7fc00001 vs 0x7fc00002) (1 of 2 elements differ)"
+    )
