@@ -74,7 +74,7 @@ section = (
     f"pytest_add_cli_args_test_selection = {q(tests)}\n\n"
 )
 text = open(path).read()
-text, count = re.subn(r"(?ms)^\[tool\.mutmut\]\n.*?(?=^\[)", section, text)
+text, count = re.subn(r"(?ms)^\[tool\.mutmut\]\n.*?(?=^\[|\Z)", section, text)
 if not count:
     text += "\n" + section
 open(path, "w").write(text)
