@@ -5,6 +5,7 @@ are in test_process_world.py and test_compat_torch.py."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import types
@@ -158,11 +159,15 @@ def user_code(tmp_path, monkeypatch: pytest.MonkeyPatch):
     (tmp_path / "scoped_helper.py").write_text("ITEMS = []\n")
     (tmp_path / "scoped_tests.py").write_text("import scoped_helper\n\nSEEN = []\nTABLE = {'k': [1]}\n")
     (tmp_path / "scoped_late.py").write_text("VALUE = 1\n")
+    (tmp_path / "scoped_ops.py").write_text(
+        "import torch\n\nlib = torch.library.Library('dstest_scoped_ops', 'DEF')\nlib.define('twice(Tensor x) -> Tensor')\n"
+        "\n\ndef twice(x):\n    return x * 2\n"  # a function: its module is in a reference cycle
+    )
     (tmp_path / "scoped_pkg").mkdir()
     (tmp_path / "scoped_pkg" / "__init__.py").write_text("")
     (tmp_path / "scoped_pkg" / "sub.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
-    names = ("scoped_helper", "scoped_tests", "scoped_late", "scoped_pkg", "scoped_pkg.sub")
+    names = ("scoped_helper", "scoped_tests", "scoped_late", "scoped_pkg", "scoped_pkg.sub", "scoped_ops")
     yield tmp_path
     for name in names:
         sys.modules.pop(name, None)
@@ -266,3 +271,22 @@ def test_a_held_scope_keeps_what_its_tests_leave_until_a_test_of_another_key(use
     assert take_pending() == (["scoped_tests.SEEN: its list changed in place; contents put back"], None)
     close_held_scope()
     assert take_pending() == ([], None)
+
+
+def test_a_module_of_the_users_that_a_test_imported_is_imported_anew_by_the_next(user_code) -> None:
+    """As in a fresh process: also when it registers torch ops (a second ``Library(ns, "DEF")`` while the
+    first is alive fails with "Only a single TORCH_LIBRARY can be used to register the namespace")."""
+    from dstest.worlds.process.state_watch import fresh_process, take_pending
+
+    take_pending()
+    gc.disable()  # not left to when the collector happens to run: the function's globals are in a cycle
+    try:
+        for _ in range(2):
+            with fresh_process() as scope:
+                scope.started(_import("scoped_tests"))
+                _import("scoped_ops")
+            assert take_pending()[0] == [
+                "sys.modules['scoped_ops']: imported by the run; removed (a fresh process imports it anew)"
+            ]
+    finally:
+        gc.enable()

@@ -40,6 +40,8 @@ its own attributes (``obj.field = x`` on a module-level object, a class attribut
 from __future__ import annotations
 
 import contextlib
+import gc
+import importlib
 import operator
 import os
 import random
@@ -423,7 +425,7 @@ def _signal_handlers() -> dict[int, Any] | None:
     """Python's handler of every signal; None off the main thread, where handlers cannot be set back."""
     if threading.current_thread() is not threading.main_thread():
         return None
-    return {s: signal.getsignal(s) for s in _SIGNALS}
+    return dict(zip(_SIGNALS, map(_getsignal, _SIGNALS), strict=True))
 
 
 def _valid_signals() -> tuple[int, ...]:
@@ -436,6 +438,9 @@ def _valid_signals() -> tuple[int, ...]:
 
 
 _SIGNALS = _valid_signals()
+#: The C function beneath ``signal.getsignal``, which wraps each answer in an enum (a third of the cost of a
+#: look at every handler).
+_getsignal: Callable[[int], Any] = getattr(importlib.import_module("_signal"), "getsignal", signal.getsignal)
 
 
 def _restore_signals(saved: dict[int, Any], found: list[str], unusable: list[str]) -> None:
@@ -606,14 +611,51 @@ def _restore_modules(saved: dict[str, Any]) -> list[str]:
             found.append(
                 f"sys.modules[{name!r}]: {'removed' if there is _MISSING else 'replaced'} by the run; put back"
             )
-    added = [name for name in now if name not in saved]
-    if not added:
-        return found
-    tops = {name.partition(".")[0] for name in saved}
+    return found + _drop_users_modules(sorted(now.keys() - saved.keys()))
+
+
+def _imported_since(newest: str) -> list[str]:
+    """The names ``sys.modules`` gained since ``newest`` was its newest entry, oldest first (it keeps the
+    order of insertion); none known when ``newest`` has gone since."""
+    found: list[str] = []
+    for name in reversed(sys.modules):
+        if name == newest:
+            return found[::-1]
+        found.append(name)
+    return []
+
+
+def _users(name: str, module: Any, imported: set[str]) -> bool:
+    """Whether a module among those just ``imported`` is the user's own: not of a package imported before (as
+    torch's submodules, imported lazily), nor from the standard library or site-packages."""
+    return name.partition(".")[0] in imported and not _from_a_library(module)
+
+
+def _drop_users_modules(imported: list[str]) -> list[str]:
+    """The user's own modules among those just ``imported``, out of ``sys.modules``, named."""
+    dropped = _drop(imported)
+    if dropped:
+        # what the dropped modules registered through objects of theirs goes with them (a
+        # torch.library.Library deregisters its namespace when collected), as it would with the process: the
+        # next test's import of them defines it anew instead of failing ("Only a single TORCH_LIBRARY...").
+        # Their functions hold their globals in a cycle: only a collection frees them.
+        gc.collect()
+    return [
+        f"sys.modules[{top!r}]{f' (and {count - 1} of its submodules)' if count > 1 else ''}: imported by the run; "
+        "removed (a fresh process imports it anew)"
+        for top, count in dropped.items()
+    ]
+
+
+def _drop(imported: list[str]) -> dict[str, int]:
+    """Out of ``sys.modules`` (and their parent packages), the user's own modules among those just
+    ``imported``: how many of each top-level package. Here, so that no reference to them outlives the call."""
+    now = sys.modules
+    names = set(imported)
     dropped: dict[str, int] = {}
-    for name in added:
-        module = now[name]
-        if name.partition(".")[0] in tops or _from_a_library(module):
+    for name in imported:
+        module = now.get(name)
+        if module is None or not _users(name, module, names):
             continue
         del now[name]
         parent, _, child = name.rpartition(".")
@@ -622,10 +664,7 @@ def _restore_modules(saved: dict[str, Any]) -> list[str]:
             delattr(owner, child)
         top = name.partition(".")[0]
         dropped[top] = dropped.get(top, 0) + 1
-    for top, count in dropped.items():
-        more = f" (and {count - 1} of its submodules)" if count > 1 else ""
-        found.append(f"sys.modules[{top!r}]{more}: imported by the run; removed (a fresh process imports it anew)")
-    return found
+    return dropped
 
 
 def _from_a_library(module: Any) -> bool:
@@ -685,7 +724,7 @@ class FreshProcess:
     def __init__(self, key: str | None, quiet_env: Callable[[str], bool]) -> None:
         self.key = key
         self.quiet_env = quiet_env
-        self.before = dict(sys.modules)
+        self.newest = next(reversed(sys.modules))  # what the test imports comes after it
         self.state: ProcessState | None = None
 
     def started(self, *own: ModuleType) -> None:
@@ -697,16 +736,16 @@ class FreshProcess:
         if self.state is not None:
             return
         modules = list(own)
-        tops = {name.partition(".")[0] for name in self.before}
-        for name, module in list(sys.modules.items()):
-            if name not in self.before and name.partition(".")[0] not in tops and not _from_a_library(module):
-                modules.append(module)
+        new = _imported_since(self.newest)
+        imported = set(new)
+        modules += [sys.modules[n] for n in new if _users(n, sys.modules[n], imported)]
         for module in modules:
             kept = _AS_IMPORTED.get(module.__name__)
             if kept is None or kept.module is not module:
                 _AS_IMPORTED[module.__name__] = _Saved(module)
-        for watch in _WATCHES:
-            watch._add_new_modules()  # a watched library the test module imported: as its import left it
+        if new:
+            for watch in _WATCHES:
+                watch._add_new_modules()  # a watched library the test module imported: as its import left it
         fresh_process_rng()
         self.state = take_process_state(environ=self.key is None)
 
@@ -714,12 +753,14 @@ class FreshProcess:
         """Put back what the test changed; what it was, and why the worker is unusable, if it is."""
         found: list[str] = []
         unusable: list[str] = []
-        saved = self.state or ProcessState(self.before)  # a test that never started: its imports only
         try:
-            more, why = restore_process_state(saved, quiet_env=self.quiet_env)
-            found.extend(more)
-            if why:
-                unusable.append(why)
+            if self.state is None:  # a test that never started (its module failed to import): its imports
+                found.extend(_drop_users_modules(_imported_since(self.newest)))
+            else:
+                more, why = restore_process_state(self.state, quiet_env=self.quiet_env)
+                found.extend(more)
+                if why:
+                    unusable.append(why)
         except Exception as exc:
             unusable.append(f"could not put back the process's state ({type(exc).__name__}: {exc})")
         for name, kept in _AS_IMPORTED.items():
