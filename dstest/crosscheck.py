@@ -179,7 +179,8 @@ class _Compare:
                 f"crosscheck cannot compare {path or 'the value'}: {type(a).__qualname__} == "
                 f"{type(b).__qualname__} raised {type(exc).__name__}: {exc}"
             ) from exc
-        if not isinstance(same, bool) and type(same).__name__ != "bool_":  # numpy's bool scalar is fine
+        np = sys.modules.get("numpy")  # numpy's bool scalar is fine (named bool_ before numpy 2, bool since)
+        if not isinstance(same, bool) and not (np is not None and isinstance(same, np.bool_)):
             raise InvalidArgument(
                 f"crosscheck cannot compare {path or 'the value'}: {type(a).__qualname__} == {type(b).__qualname__} "
                 f"gave {type(same).__qualname__}, not True or False, so dstest cannot tell whether the worlds agree; "

@@ -82,3 +82,45 @@ def test_the_bits_of_two_nans_are_shown_as_the_number_they_make() -> None:
     assert str(difference(a, b)) == (
         "[1]: torch.float32 tensors differ: nan vs nan (bits 0x7fc00001 vs 0x7fc00002) (1 of 2 elements differ)"
     )
+
+
+class _NoBool:
+    def __eq__(self, other: object) -> list[int]:  # type: ignore[override]
+        return [1]
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class _Raises:
+    def __eq__(self, other: object) -> bool:
+        raise ValueError("no")
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def test_a_value_whose_equality_gives_no_bool_or_raises_is_refused_naming_it() -> None:
+    from dstest.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument) as info:
+        difference(_NoBool(), _NoBool())
+    assert str(info.value) == (
+        "crosscheck cannot compare the value: _NoBool == _NoBool gave list, not True or False, so dstest cannot "
+        "tell whether the worlds agree; return tensors, numpy arrays, containers of them, or values whose == "
+        "gives a bool"
+    )
+    with pytest.raises(InvalidArgument) as info:
+        difference([_Raises()], [_Raises()])
+    assert str(info.value) == "crosscheck cannot compare [0]: _Raises == _Raises raised ValueError: no"
+    import numpy as np
+
+    assert difference(np.float64(1.0).item() == 1.0, True) is None
+    assert difference(_Bool(), _Bool()) is None  # an == giving numpy's bool is taken
+
+
+class _Bool:
+    def __eq__(self, other: object) -> object:
+        import numpy as np
+
+        return np.bool_(True)
+
+    __hash__ = None  # type: ignore[assignment]
