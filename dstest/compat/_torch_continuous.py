@@ -14,7 +14,10 @@ upstream's worker loop (a skip by exception or exit code is a ``SkipTest``, an e
 with the rank's traceback), so the base's own wrapper judges them, its "skip the rest of the class after a
 failure" included. A rank that raised stops the ranks it left blocked, where upstream waits for the
 timeout. Each test forms the class's world again (tens of milliseconds with gloo), so no test sees what an
-earlier one left in it.
+earlier one left in it. What a test leaves in the worker otherwise (its module's globals, ``sys.path``, its
+imports, torch's settings), the next test of the class sees, as in upstream's process; when the class ends,
+a run of its own puts it back and names it (:func:`~dstest.worlds.process.byref.fresh_process`, held per
+class).
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ base would have started (the environment it would have inherited, the pytest pro
 working directory, no ``torch.distributed`` world), then calls the base's own per-rank entry point with the
 arguments the base gave it, a pipe of the rank's own standing in for the one to the pytest process. The
 rank's result is its exit code; a rank that ended with the base's error code raises :class:`TestError`
-with the traceback the base sent, so that the process world stops the ranks it left blocked.
+with the traceback the base sent, so that the process world stops the ranks it left blocked. What the test
+leaves in the worker is put back after it and named, as upstream's next fresh process would not have seen
+it (:func:`~dstest.worlds.process.byref.fresh_process`).
 """
 
 from __future__ import annotations

@@ -452,7 +452,10 @@ def _restore_signals(saved: dict[int, Any], found: list[str], unusable: list[str
         return
     for sig, handler in saved.items():
         if now[sig] != handler:
-            name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+            try:
+                name = signal.Signals(sig).name
+            except ValueError:  # a real-time signal
+                name = str(sig)
             found.append(f"signal handler of {name}: set by the run; put back, and the worker is replaced")
             if handler is not None:
                 signal.signal(sig, handler)
