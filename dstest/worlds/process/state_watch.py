@@ -344,7 +344,7 @@ class ProcessState:
 def take_process_state(*, environ: bool = True) -> ProcessState:
     """The process-wide state now (``environ=False``: the environment and working directory not taken)."""
     return ProcessState(
-        dict(sys.modules),
+        _modules_now(),
         list(sys.path),
         dict(os.environ) if environ else None,
         os.getcwd() if environ else None,
@@ -597,6 +597,38 @@ def _change(old: Any, new: Any) -> str:
     return f"{old!r} -> {new!r}"
 
 
+def _modules_now() -> dict[str, Any]:
+    """``sys.modules`` as it is now, in a dict kept from one look to the next: the modules imported since
+    the last look are added to it, and only another change makes a new copy. Copying a warm worker's
+    ~2,500 entries took 0.7-6 ms a test (the forked worker's pages each copy touches), against 0.13 ms in
+    a process of its own. The dict is read until the next look, never changed."""
+    now = sys.modules
+    known = _KNOWN_MODULES
+    if known:
+        added = _imported_since(next(reversed(known)))
+        if _holds(now, known, len(added)):
+            for name in added:
+                known[name] = now[name]
+            return known
+    known.clear()
+    known.update(now)
+    return known
+
+
+_KNOWN_MODULES: dict[str, Any] = {}
+
+
+def _holds(now: dict[str, Any], saved: dict[str, Any], added: int) -> bool:
+    """Whether ``now`` is ``saved`` (every name bound to the same module) with ``added`` names more. Without
+    added names, by the dicts' own equality, in C, which compares the same object as equal without asking it
+    (3.5 times faster than by identity through ``map``)."""
+    if len(now) != len(saved) + added:
+        return False
+    if not added:
+        return now == saved
+    return all(map(operator.is_, map(now.get, saved), saved.values()))
+
+
 def _restore_modules(saved: dict[str, Any]) -> list[str]:
     """``sys.modules`` as saved, but for what the run imported from the installed libraries: a fresh
     process imports the user's own modules anew; a library (the standard library, site-packages, or a
@@ -604,8 +636,9 @@ def _restore_modules(saved: dict[str, Any]) -> list[str]:
     second import of it may fail (extension modules, torch's op registrations), and it is as its import
     left it."""
     now = sys.modules
-    if len(now) == len(saved) and all(map(operator.is_, map(now.get, saved), saved.values())):
-        return []
+    added = _imported_since(next(reversed(saved))) if saved else []
+    if _holds(now, saved, len(added)):
+        return _drop_users_modules(added)
     found: list[str] = []
     for name, module in saved.items():
         there = now.get(name, _MISSING)
