@@ -251,9 +251,10 @@ class Leaks(MultiProcessTestCase):
         import leak_helper
 
         leak_helper.CALLS.append(self.rank)
+        with open(os.path.join(CWD, f"pid.a.{self.rank}"), "w") as f:
+            f.write(str(os.getpid()))
         os.chdir(tempfile.gettempdir())
         os.environ["DSTEST_LEFT_HERE"] = "1"
-        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         torch.set_default_dtype(torch.float64)
         torch.set_num_threads(THREADS + 1)
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -267,11 +268,18 @@ class Leaks(MultiProcessTestCase):
         self.assertNotIn("leak_helper", sys.modules)
         self.assertEqual(os.getcwd(), CWD)
         self.assertNotIn("DSTEST_LEFT_HERE", os.environ)
-        self.assertIs(signal.getsignal(signal.SIGUSR2), signal.SIG_DFL)
         self.assertIs(torch.get_default_dtype(), torch.float32)
         self.assertEqual(torch.get_num_threads(), THREADS)
         self.assertFalse(torch.are_deterministic_algorithms_enabled())
         self.assertEqual(str(torch.tensor([1 / 3])), PRINTED)
+        with open(os.path.join(CWD, f"pid.b.{self.rank}"), "w") as f:
+            f.write(str(os.getpid()))
+
+    def test_c_sets_a_signal_handler(self):
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+    def test_d_sees_the_default_handler(self):
+        self.assertIs(signal.getsignal(signal.SIGUSR2), signal.SIG_DFL)
 
 
 SEEN_BY_DTENSOR = []
@@ -380,8 +388,8 @@ def test_process_bases_keep_their_verdicts_and_run_warm(
 
 
 def test_process_bases_give_each_test_a_fresh_process_and_name_what_a_test_left(pytester: pytest.Pytester) -> None:
-    """What a fresh interpreter per rank per test gives upstream (torch's harness passes all seven: 94 s for
-    the first two classes, 112 s for the continuous ones, on this machine), on the warm workers: a test that
+    """What a fresh interpreter per rank per test gives upstream (torch's harness passes all nine, in about
+    five minutes on this machine), on the warm workers: a test that
     appends to a module-level list, binds a new global, puts an entry on sys.path, imports a module of its
     own, changes the working directory, the environment, a signal handler and torch's global settings
     leaves none of it to the next test, on MultiProcessTestCase and on DTensorTestBase; on
@@ -392,6 +400,8 @@ def test_process_bases_give_each_test_a_fresh_process_and_name_what_a_test_left(
     assert verdicts == {
         "test_a_leaves_state": "passed",
         "test_b_sees_a_fresh_process": "passed",
+        "test_c_sets_a_signal_handler": "passed",
+        "test_d_sees_the_default_handler": "passed",
         "test_a_appends": "passed",
         "test_b_sees_nothing": "passed",
         "test_b_sees_what_its_class_left": "passed",
@@ -418,8 +428,12 @@ def test_process_bases_give_each_test_a_fresh_process_and_name_what_a_test_left(
     assert "StateLeftBehind" in out and [name for name in left if name not in out] == [], out[-8000:]
     # the launch environment the bases set in every rank is not a finding
     assert "TORCH_SHOW_CPP_STACKTRACES" not in out and "os.environ['MASTER_PORT']" not in out
-    # a signal handler cannot be put back from Python for sure: the workers were replaced
-    assert "pool replaced after: test_leaks.py::Leaks::test_a_leaves_state" in out
+    # the next test ran in the same workers, put back; after a signal handler, which cannot be put back from
+    # Python for sure, in new ones
+    pids = {p.name: p.read_text() for p in pytester.path.glob("pid.*")}
+    assert len(pids) == 4 and {pids["pid.a.0"], pids["pid.a.1"]} == {pids["pid.b.0"], pids["pid.b.1"]}, pids
+    assert "pool replaced after: test_leaks.py::Leaks::test_a_leaves_state" not in out
+    assert "pool replaced after: test_leaks.py::Leaks::test_c_sets_a_signal_handler" in out
 
 
 def test_threaded_bases_run_on_the_threaded_world_with_its_checks(pytester: pytest.Pytester) -> None:
