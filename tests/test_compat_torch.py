@@ -389,12 +389,12 @@ def test_process_bases_keep_their_verdicts_and_run_warm(
 
 def test_process_bases_give_each_test_a_fresh_process_and_name_what_a_test_left(pytester: pytest.Pytester) -> None:
     """What a fresh interpreter per rank per test gives upstream (torch's harness passes all nine, in about
-    five minutes on this machine), on the warm workers: a test that
-    appends to a module-level list, binds a new global, puts an entry on sys.path, imports a module of its
-    own, changes the working directory, the environment, a signal handler and torch's global settings
-    leaves none of it to the next test, on MultiProcessTestCase and on DTensorTestBase; on
-    MultiProcContinuousTest, whose processes serve a class, the next test of the class sees it and the
-    next class does not. The StateLeftBehind warning names each thing left."""
+    five minutes on this machine), on the warm workers: a test that appends to a module-level list, binds a
+    new global, puts an entry on sys.path, imports a module of its own, changes the working directory, the
+    environment, a signal handler and torch's global settings leaves none of it to the next test, on
+    MultiProcessTestCase and on DTensorTestBase; on MultiProcContinuousTest, whose processes serve a class,
+    the next test of the class sees it and the next class does not. The StateLeftBehind warning names each
+    thing left."""
     pytester.makepyfile(test_leaks=textwrap.dedent(LEAKS_SUITE), leak_helper="CALLS = []\n")
     result, verdicts = _run(pytester, "-p", "no:randomly")
     assert verdicts == {
