@@ -12,8 +12,6 @@ import contextlib
 import copy
 import os
 import pickle
-import random
-import sys
 import traceback
 from typing import TYPE_CHECKING, Any
 
@@ -35,18 +33,6 @@ class _SkipBox:
 
     def put(self, message: str) -> None:
         self.message = message
-
-
-def _fresh_process_rng() -> None:
-    """torch's global RNG as a new process has it (the harness's ranks all start from that seed); Python's
-    and numpy's from fresh entropy, as a new process seeds them."""
-    import torch
-
-    torch.manual_seed(torch.Generator().initial_seed())
-    random.seed()
-    np = sys.modules.get("numpy")
-    if np is not None:
-        np.random.seed()
 
 
 def _remember_cpu_info() -> None:
@@ -93,12 +79,12 @@ def rank_main(ctx: Any, payload: bytes, ref: ModuleRef, path: list[str], port: i
     the test forms its own world."""
     from _pytest.outcomes import Skipped
 
-    from dstest.worlds.process.byref import import_module_ref, put_path_first
+    from dstest.worlds.process.byref import fresh_process_rng, import_module_ref, put_path_first
 
     put_path_first(path)
     _remember_cpu_info()
     import_module_ref(ref)
-    _fresh_process_rng()
+    fresh_process_rng()
     test = pickle.loads(payload)
     location: list[tuple[str, int] | None] = [None]
     run = test.run

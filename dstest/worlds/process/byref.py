@@ -41,7 +41,7 @@ from dstest.worlds.process.launch import (
     start_fork_server,
 )
 from dstest.worlds.process.messages import _FnRef
-from dstest.worlds.process.state_watch import FreshProcess, close_held_scope, fresh_process
+from dstest.worlds.process.state_watch import FreshProcess, close_held_scope, fresh_process, fresh_process_rng
 
 __all__ = [
     "FreshProcess",
@@ -51,6 +51,7 @@ __all__ = [
     "fork_server_preload",
     "free_port",
     "fresh_process",
+    "fresh_process_rng",
     "import_module_ref",
     "module_ref",
     "pool_pids",
