@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 import dstest
 from dstest.worlds.process.byref import free_port
+from dstest.worlds.torch_internals import gloo_has_list_all_to_all
 
 pytestmark = [
     pytest.mark.cpu,
@@ -388,6 +389,9 @@ def test_gloo_truth_is_what_the_collectives_compute(world_size):
             if (name, mode) in _GLOO_ONLY_FAILURES or name == "saved_then_all_gather_into_tensor":
                 assert got[0] == "error", (name, mode, r, got)
                 continue
+            if name == "all_to_all" and not gloo_has_list_all_to_all():
+                assert got[:2] == ("error", "RuntimeError: Backend gloo does not support alltoall"), (name, r, got)
+                continue
             assert got[0] == "ok", (name, mode, r, got)
             want = _by_hand(name, r, world_size)
             if want is not None:
@@ -419,6 +423,12 @@ def test_every_collective_on_views_of_a_leaf_that_requires_grad_moves_what_gloo_
     for r in range(world_size):
         assert got[r].keys() == truth[r].keys()
         for key, want in truth[r].items():
+            if world == "threaded" and key[0] == "all_to_all" and not gloo_has_list_all_to_all():
+                # torch 2.11's gloo has no list all_to_all (the process world fails as it does); the threaded
+                # world runs it, as NCCL does: its values are checked by hand, the version move has no truth.
+                if got[r][key][:2] != ("ok", _by_hand("all_to_all", r, world_size)):
+                    differ.append(f"rank {r} {key}: got {got[r][key]}, by hand {_by_hand('all_to_all', r, world_size)}")
+                continue
             if (world == "threaded" and key in _GLOO_ONLY_FAILURES) or key in _COALESCED_WAITED_AT_CLOSE:
                 want = truth[r][(key[0], "sync")]
             if got[r][key] != want and not _same_future_error(key, got[r][key], want):
