@@ -175,7 +175,7 @@ def test_a_module_hook_registered_outside_the_world_still_runs_on_every_rank():
     assert len(seen) == 3  # removed
 
 
-# -- torch's one global RNG, shared by rank threads ----------------------------------------------------------
+# -- torch's global RNG: one per rank thread, as one per process (more in test_rank_rng.py) -----------------
 def seed_once_draw_after_a_collective(ctx):
     torch.manual_seed(0)
     dist.barrier()
@@ -185,7 +185,13 @@ def seed_once_draw_after_a_collective(ctx):
     torch.testing.assert_close(got, want)
 
 
-def seed_and_draw_before_the_collective(ctx):
+def seed_the_shared_generator_itself(ctx):
+    torch.default_generator.manual_seed(ctx.rank)  # the process-wide object, not torch.manual_seed
+    dist.barrier()
+    raise AssertionError("an unrelated failure")
+
+
+def seed_and_draw_then_fail(ctx):
     torch.manual_seed(0)
     got = torch.randn(4)
     dist.barrier()
@@ -193,21 +199,29 @@ def seed_and_draw_before_the_collective(ctx):
     raise AssertionError("an unrelated failure")
 
 
-def test_a_failure_after_interleaved_draws_from_the_global_rng_says_so():
-    """A test that seeds once and draws after a collective (torch's own tests do) fails on rank threads with a
-    bare "Tensor-likes are not close!"; the report now names the shared RNG and what to do. Such draws only
-    annotate a failure, never cause one: code whose values do not depend on them is right on both worlds."""
-    with pytest.raises(RankFailure) as info:
-        dstest.run(seed_once_draw_after_a_collective, 2)
+def test_seeding_once_and_drawing_after_a_collective_passes_on_threads_as_on_processes():
+    """torch's own tests seed once and draw after a collective: rank threads shared one generator, their draws
+    interleaved, and this failed with "Tensor-likes are not close!" (issue 42); each rank draws from its own."""
+    for world in ("threaded", "process"):
+        assert dstest.run(seed_once_draw_after_a_collective, 2, world=world) == [None, None]
+
+
+def test_a_failure_after_seeding_the_shared_generator_itself_says_so():
+    state = torch.default_generator.get_state()
+    try:
+        with pytest.raises(RankFailure) as info:
+            dstest.run(seed_the_shared_generator_itself, 2)
+    finally:
+        torch.default_generator.set_state(state)
     text = str(info.value)
-    assert "seeded torch's global RNG" in text and "ctx.generator" in text and 'worlds=["process"]' in text
-    assert dstest.run(seed_once_draw_after_a_collective, 2, world="process") == [None, None]
+    assert "an unrelated failure" in text
+    assert "torch.default_generator" in text and 'worlds=["process"]' in text
 
 
-def test_a_failure_without_draws_after_the_collective_has_no_rng_note():
+def test_a_failure_with_per_rank_draws_has_no_rng_note():
     with pytest.raises(RankFailure) as info:
-        dstest.run(seed_and_draw_before_the_collective, 2)
-    assert "an unrelated failure" in str(info.value) and "global RNG" not in str(info.value)
+        dstest.run(seed_and_draw_then_fail, 2)
+    assert "an unrelated failure" in str(info.value) and "default_generator" not in str(info.value)
 
 
 # -- a library that keeps its groups in module globals (Megatron's parallel_state, in its own pattern) --------

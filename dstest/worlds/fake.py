@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 import dstest.trace as _trace
-from dstest.context import RankContext
+from dstest.context import RankContext, rank_seed
 from dstest.errors import InvalidArgument, RankFailure, WorldTimeout
 from dstest.worlds import _collectives as C
 from dstest.worlds import torch_internals
@@ -114,8 +114,11 @@ class FakeWorld:
                         session = _FakeSession(world_size, recorder)
                         with rank_process_group(c10d_world, session, rank, device, timedelta(seconds=timeout)):
                             token = ctx.bind()
+                            generator = torch.Generator()
+                            generator.manual_seed(rank_seed(seed, rank))  # as a process of the rank (E5)
                             try:
-                                box["result"] = request.rank_call(ctx)
+                                with torch_internals.rank_generator(generator):
+                                    box["result"] = request.rank_call(ctx)
                             finally:
                                 RankContext.unbind(token)
                     except BaseException as exc:

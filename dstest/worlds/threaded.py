@@ -12,8 +12,9 @@ keep them between runs, and the run loop:
 - a rank that finishes with unmatched or unwaited work, or that caught an error dstest raised into it,
   fails the world;
 - threads a rank starts act as that rank (its groups, its context);
-- ``torch.manual_seed`` on a rank thread takes the process-wide RNG for that rank until its next
-  collective, so ``torch.manual_seed(s); nn.Linear(...)`` gives every rank the same weights, run after run;
+- each rank thread draws from a CPU generator of its own, seeded per run as the process world seeds each
+  rank's (``rank_seed``): ``torch.manual_seed``, ``torch.randn``, dropout and ``nn.init`` on a rank thread
+  give the numbers that rank's process would (contract E5; ``torch_internals.rank_rng``);
 - Ctrl-C stops every rank within about a second.
 """
 
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 import dstest.trace as _trace
-from dstest.context import RankContext, current_context
+from dstest.context import RankContext, current_context, rank_seed
 from dstest.errors import InvalidArgument, WorkAborted, WorldAborted
 from dstest.worlds import torch_internals as _compat
 from dstest.worlds._backend import BACKEND_NAME, binding, rank_process_group, register_backend, translate_group
@@ -148,8 +149,11 @@ def _call_rank(
     """Run the spec body on one rank, recording its result or failure; a failure aborts the world."""
     token = ctx.bind()
     returned = False
+    generator = torch.Generator()
+    generator.manual_seed(rank_seed(ctx.seed, rank))  # as the process world seeds each rank's (E5)
     try:
-        outcome.results[rank] = request.rank_call(ctx)
+        with _compat.rank_generator(generator):
+            outcome.results[rank] = request.rank_call(ctx)
         returned = True
     except RankKilled as killed:  # an injected Kill (contract G5): the rank died, the run goes on
         outcome.results[rank] = Killed(rank, killed.args[0].at())
@@ -162,7 +166,6 @@ def _call_rank(
             session.abort(exc)
     finally:
         RankContext.unbind(token)
-        session.release_rng(rank)
         problem = session.rank_done(rank, returned)
         if problem is not None:
             outcome.fail(rank, problem)
@@ -177,14 +180,17 @@ def _capture_rank_for_thread() -> Callable[[], Any] | None:
     rank, device = binding.rank, getattr(binding, "device", None)
     state = _compat.current_rank_state()
     ctx = current_context()
+    generator = _compat.current_generator()  # a process's threads share its generator
 
     @contextlib.contextmanager
     def as_rank() -> Iterator[None]:
         _compat.adopt_rank_state(state)
         binding.session, binding.rank, binding.device = session, rank, device
         token = ctx.bind() if ctx is not None else None
+        draws = _compat.rank_generator(generator) if generator is not None else contextlib.nullcontext()
         try:
-            yield
+            with draws:
+                yield
         finally:
             if ctx is not None:
                 RankContext.unbind(token)
@@ -192,13 +198,6 @@ def _capture_rank_for_thread() -> Callable[[], Any] | None:
             _compat.adopt_rank_state(None)
 
     return as_rank
-
-
-def _seed_hook(seed: Any) -> None:
-    """``torch.manual_seed`` on a rank thread: hold the process-wide RNG for this rank (see module doc)."""
-    claim = getattr(getattr(binding, "session", None), "claim_rng", None)  # the fake world's has none
-    if claim is not None:
-        claim(binding.rank)
 
 
 class _Countdown:
@@ -280,7 +279,7 @@ class _WarmCrew:
         self.broken = False  # a run left a rank without its default group: the crew cannot serve again
         self.retired = False
         self._install = _compat.thread_local_c10d_world(
-            _capture_rank_for_thread, _seed_hook, translate_group, own_backend=BACKEND_NAME
+            _capture_rank_for_thread, translate_group, own_backend=BACKEND_NAME
         )
         self._c10d = self._install.__enter__()
         self._tasks: list[queue.SimpleQueue[Callable[[int], None] | None]] = [
@@ -528,7 +527,7 @@ class ThreadedWorld:
         phase = _Countdown(world_size)
         paused = _CollectorPaused(world_size)
         with _compat.thread_local_c10d_world(
-            _capture_rank_for_thread, _seed_hook, translate_group, own_backend=BACKEND_NAME
+            _capture_rank_for_thread, translate_group, own_backend=BACKEND_NAME
         ) as c10d_world:
 
             def rank_main(rank: int) -> None:

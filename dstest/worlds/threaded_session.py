@@ -1,13 +1,12 @@
 """The threaded world's session: the rendezvous of :class:`~dstest.worlds._session.Session` plus what only rank
-threads need, because they share one process: the hand-over of torch's one global RNG between ranks
-(``torch.manual_seed`` on a rank holds it until that rank's next collective), and the watch on module globals
-that hold a rank's process group (a library keeping its groups there sees one rank's on every rank thread),
+threads need, because they share one process: the watch on module globals that hold a rank's process group (a
+library keeping its groups there sees one rank's on every rank thread), and on torch's process-wide generator
+(each rank draws from its own; code that calls ``torch.default_generator``'s methods reaches the shared one),
 both named in failure reports.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
@@ -100,14 +99,11 @@ class _SharedGlobals:
 
 
 class ThreadedSession(Session):
-    """A session of rank threads: adds the process-wide RNG hand-over between ranks."""
+    """A session of rank threads: adds the watch on what rank threads share that processes would not."""
 
     def __init__(self, world_size: int) -> None:
         super().__init__(world_size)
-        self._rng = threading.Lock()
-        self._rng_owner: int | None = None
-        self._rng_left: tuple[int, torch.Tensor] | None = None  # the last seeding rank, and the RNG it left
-        self._rng_unheld: int | None = None  # a seeding rank after whose release the RNG was drawn from
+        self._shared_rng_state = torch.default_generator.get_state()
         self.shared_globals = _SharedGlobals()
 
     def register_group(self, group: Any) -> None:
@@ -115,64 +111,23 @@ class ThreadedSession(Session):
         _compat.hold_late_imports()
         self.shared_globals.group_made(self)
 
-    def claim_rng(self, rank: int) -> None:
-        if self._rng_owner == rank:
-            return
-        while not self._rng.acquire(timeout=0.05):
-            self._check_alive(rank)
-        self._rng_owner = rank
-        self._note_unheld_draws()
-
-    def _note_unheld_draws(self) -> None:
-        """Whether the global RNG moved since a seeding rank let it go (draws no rank held it for)."""
-        left = self._rng_left
-        if left is not None and self._rng_unheld is None and not torch.equal(torch.default_generator.get_state(), left[1]):
-            self._rng_unheld = left[0]
-
-    def release_rng(self, rank: int) -> None:
-        if self._rng_owner == rank:
-            self._rng_left = (rank, torch.default_generator.get_state())
-            self._rng_owner = None
-            self._rng.release()
-
     def rng_note(self) -> str:
-        """For a failure report: whether ranks drew from torch's one global RNG after a seeding rank let it go
-        at a collective (then the rank threads' draws interleave, where each process has an RNG of its own)."""
-        if self.world_size < 2:
-            return ""
-        self._note_unheld_draws()
-        rank = self._rng_unheld
-        if rank is None:
+        """For a failure report: whether torch's process-wide generator moved during the run.
+
+        Each rank thread draws from a generator of its own (``torch_internals.rank_rng``); what still reaches
+        the shared one is code that calls ``torch.default_generator``'s own methods (``manual_seed``,
+        ``set_state``), which every rank thread shares where each process has its own."""
+        if torch.equal(torch.default_generator.get_state(), self._shared_rng_state):
             return ""
         return (
-            f"\nnote: rank {rank} seeded torch's global RNG (torch.manual_seed) and the ranks drew from it after a "
-            "collective; rank threads share that one RNG, so those draws interleave across ranks (each process "
-            "of a world has its own) and per-rank random values differ from a world of processes. Seed again "
-            "after the collective, draw with a generator of your own or ctx.generator / ctx.randn, or run the "
-            'spec with worlds=["process"].'
+            "\nnote: torch's process-wide generator (torch.default_generator) moved during the run. Each rank "
+            "thread draws from a generator of its own, but code that calls torch.default_generator's methods "
+            "(manual_seed, set_state) reaches the one object all rank threads share, where each process has its "
+            "own. Use torch.manual_seed / torch.set_rng_state (per rank on threads), or run the spec with "
+            'worlds=["process"].'
         )
 
     def reset(self) -> None:
         super().reset()
-        self._rng_left = self._rng_unheld = None
+        self._shared_rng_state = torch.default_generator.get_state()
         self.shared_globals = _SharedGlobals()
-        if self._rng_owner is not None:
-            self._rng_owner = None
-            self._rng.release()
-
-    # A rank gives the RNG up as it enters any collective, transfer or wait: every rank has then drawn
-    # what it drew between its seed and this point, in one piece.
-    def arrive(self, group: Any, call: Any, fail: Any = None) -> Any:
-        if self._rng_owner is not None:
-            self.release_rng(group.owner)
-        return super().arrive(group, call, fail)
-
-    def post_p2p(self, group: Any, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        if self._rng_owner is not None:
-            self.release_rng(group.owner)
-        return super().post_p2p(group, kind, tensor, peer, tag)
-
-    def wait(self, waitable: Any) -> None:
-        if self._rng_owner is not None:
-            self.release_rng(waitable.global_rank)
-        super().wait(waitable)

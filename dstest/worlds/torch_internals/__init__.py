@@ -12,7 +12,10 @@ was seen on. Nothing here runs at import time. What lives where:
   (:func:`thread_local_c10d_world_ensure`).
 - :mod:`.installed`: the record of what is installed (saved originals, the hosting world's hooks) that the
   other modules read.
-- :mod:`.wrappers`: the torch functions replaced on rank threads: ``torch.manual_seed``,
+- :mod:`.rank_rng`: torch's default CPU generator, one per rank: every draw on a rank thread that names no
+  generator uses the rank's (a kernel at torch's custom-RNG dispatch key).
+- :mod:`.wrappers`: the torch functions replaced on rank threads: ``torch.manual_seed`` and the other
+  global-RNG functions (on the rank's generator),
   ``dist.monitored_barrier``, ``DeviceMesh.__init__`` (a mesh's per-rank thread id), gloo and NCCL group
   creation redirected to the world's own backend.
 - :mod:`.rank_hooks`: torch's process-wide module, optimizer and DTensor op-handler tables, per rank.
@@ -52,6 +55,7 @@ from dstest.worlds.torch_internals.process_groups import (
     reduce_op_name,
 )
 from dstest.worlds.torch_internals.rank_hooks import hold_late_imports
+from dstest.worlds.torch_internals.rank_rng import current_generator, rank_generator
 from dstest.worlds.torch_internals.threads import create_thread_caches, release_thread_caches
 
 __all__ = [
@@ -63,6 +67,7 @@ __all__ = [
     "backend_registered",
     "c10d_state",
     "create_thread_caches",
+    "current_generator",
     "current_rank_state",
     "declare_self_recording",
     "drop_subgroups",
@@ -73,6 +78,7 @@ __all__ = [
     "init_rank_process_group",
     "linked_future",
     "new_rank_state",
+    "rank_generator",
     "reduce_op_name",
     "release_thread_caches",
     "thread_local_c10d_world",

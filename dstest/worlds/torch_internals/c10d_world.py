@@ -73,9 +73,7 @@ def _reads_module_state(getter: Callable[..., Any]) -> list[str]:
         return []
     module = vars(c10d)
     return [
-        name
-        for name in code.co_names
-        if name in module and type(module[name]) in _STATE_TYPES and not name.isupper()
+        name for name in code.co_names if name in module and type(module[name]) in _STATE_TYPES and not name.isupper()
     ]
 
 
@@ -236,10 +234,7 @@ class ThreadLocalWorld:
     # ``pg_config_info`` is a computed property on torch's _World; keep the original's behaviour.
     @property
     def pg_config_info(self) -> list[dict[str, Any]]:
-        return [
-            {"pg_name": self.pg_names[pg], "ranks": list(self.pg_group_ranks[pg])}
-            for pg in self.pg_map
-        ]
+        return [{"pg_name": self.pg_names[pg], "ranks": list(self.pg_group_ranks[pg])} for pg in self.pg_map]
 
 
 def current_rank_state() -> RankState | None:

@@ -40,9 +40,10 @@ def _install_switches() -> None:
     pin_fake_cuda_guard()
     INSTALL.saved["start"] = threading.Thread.start
     threading.Thread.start = inheriting_start  # type: ignore[method-assign]
-    INSTALL.saved["manual_seed"] = torch.manual_seed
-    torch.manual_seed = wrappers.serialised_manual_seed
-    torch.random.manual_seed = wrappers.serialised_manual_seed
+    for name, per_rank in wrappers.RNG_FUNCTIONS.items():
+        INSTALL.saved[name] = getattr(torch.random, name)
+        setattr(torch, name, per_rank)
+        setattr(torch.random, name, per_rank)
     INSTALL.saved["monitored_barrier"] = c10d.monitored_barrier
     c10d.monitored_barrier = dist.monitored_barrier = wrappers.monitored_barrier_on_rank_threads
     rank_hooks.hold_module_hooks()
@@ -61,8 +62,9 @@ def _remove_switches() -> None:
     _set_isolation(False)
     c10d._world = INSTALL.saved["world"]
     threading.Thread.start = INSTALL.saved["start"]  # type: ignore[method-assign]
-    torch.manual_seed = INSTALL.saved["manual_seed"]
-    torch.random.manual_seed = INSTALL.saved["manual_seed"]
+    for name in wrappers.RNG_FUNCTIONS:
+        setattr(torch, name, INSTALL.saved[name])
+        setattr(torch.random, name, INSTALL.saved[name])
     c10d.monitored_barrier = dist.monitored_barrier = INSTALL.saved["monitored_barrier"]
     c10d._new_process_group_helper = INSTALL.saved["group_helper"]
     rank_hooks.release_module_hooks()
@@ -76,15 +78,12 @@ def _remove_switches() -> None:
 
 def _set_hooks(
     capture: Callable[[], Callable[[], Any] | None] | None,
-    seed: Callable[[Any], None] | None,
     translate: Callable[[Any], Any] | None,
     own_backend: str | None,
 ) -> None:
     """Under the install lock: take each hook a world gives (a world giving none keeps the earlier one's)."""
     if capture is not None:
         HOOKS.capture = capture
-    if seed is not None:
-        HOOKS.seed = seed
     if translate is not None:
         HOOKS.translate = translate
     if own_backend is not None:
@@ -94,7 +93,6 @@ def _set_hooks(
 @contextlib.contextmanager
 def thread_local_c10d_world(
     capture: Callable[[], Callable[[], Any] | None] | None = None,
-    seed: Callable[[Any], None] | None = None,
     translate: Callable[[Any], Any] | None = None,
     own_backend: str | None = None,
 ) -> Iterator[ThreadLocalWorld]:
@@ -107,9 +105,11 @@ def thread_local_c10d_world(
       ``_set_thread_isolation_mode(True)``.
     - Each rank thread calls ``bind()``, which also keeps that thread's backward on the thread.
     - ``threading.Thread.start`` is wrapped so that a thread started by a rank thread acts as that rank
-      (``capture``; :func:`.threads.inheriting_start`), and ``torch.manual_seed`` so that the hosting world
-      can hand torch's one global RNG to one rank at a time (``seed``); ``translate`` maps a foreign rank's
-      group to the caller's own.
+      (``capture``; :func:`.threads.inheriting_start`); ``translate`` maps a foreign rank's group to the
+      caller's own.
+    - torch's global-RNG functions (``torch.manual_seed``, ``get_rng_state``...) act on the calling rank's
+      own generator (``wrappers.RNG_FUNCTIONS``, :mod:`.rank_rng`), which the hosting world gives each rank
+      thread with :func:`.rank_rng.rank_generator`.
     - ``dist.monitored_barrier`` is wrapped so that a non-gloo Python group explains torch's gloo-only limit.
     - ``DeviceMesh.__init__`` is wrapped so that a rank's meshes are its own (``mesh_init_per_rank``).
     - torch's process-wide module-hook and optimizer-hook tables are per rank for hooks a rank registers
@@ -122,7 +122,7 @@ def thread_local_c10d_world(
     with INSTALL.lock:
         if INSTALL.users == 0:
             _install_switches()
-        _set_hooks(capture, seed, translate, own_backend)
+        _set_hooks(capture, translate, own_backend)
         INSTALL.users += 1
         world = INSTALL.world
     assert world is not None

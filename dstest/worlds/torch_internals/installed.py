@@ -23,7 +23,6 @@ class _Hooks:
 
     def __init__(self) -> None:
         self.capture: Callable[[], Callable[[], Any] | None] | None = None
-        self.seed: Callable[[Any], None] | None = None
         self.translate: Callable[[Any], Any] | None = None
         self.own_backend: str | None = None
 

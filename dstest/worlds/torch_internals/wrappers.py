@@ -1,7 +1,8 @@
 """torch functions replaced while rank threads are installed, each acting as a rank's own process would.
 
 Installed by :func:`dstest.worlds.torch_internals.install.thread_local_c10d_world` in place of
-``torch.manual_seed``, ``dist.monitored_barrier``, ``DeviceMesh.__init__`` and
+``torch.manual_seed``, ``torch.seed``, ``torch.initial_seed``, ``torch.get_rng_state``,
+``torch.set_rng_state`` (and their ``torch.random`` names), ``dist.monitored_barrier``, ``DeviceMesh.__init__`` and
 ``distributed_c10d._new_process_group_helper``; each calls the original it saved in
 :data:`~dstest.worlds.torch_internals.installed.INSTALL` and changes only what a rank thread needs.
 """
@@ -15,22 +16,56 @@ from torch.distributed import distributed_c10d as c10d
 
 from dstest.worlds.torch_internals.installed import HOOKS, INSTALL
 from dstest.worlds.torch_internals.rank_hooks import hold_late_imports
+from dstest.worlds.torch_internals.rank_rng import current_generator
 
 __all__ = [
+    "RNG_FUNCTIONS",
     "device_mesh_class",
     "group_helper_on_rank_threads",
     "mesh_init_per_rank",
     "monitored_barrier_on_rank_threads",
-    "serialised_manual_seed",
 ]
 
 
-def serialised_manual_seed(seed: Any) -> Any:
-    """``torch.manual_seed`` while rank threads are installed: a rank thread first takes the RNG."""
-    hook = HOOKS.seed
-    if hook is not None:
-        hook(seed)
-    return INSTALL.saved["manual_seed"](seed)
+# torch's global-RNG functions, each acting on the calling rank's own generator on a rank thread
+# (:mod:`.rank_rng`) and as torch's own elsewhere. torch's versions act on ``torch.default_generator``
+# (and ``manual_seed``/``seed`` on every device's too); a rank thread of the threaded world has the CPU only.
+def _manual_seed(seed: Any) -> Any:
+    gen = current_generator()
+    return INSTALL.saved["manual_seed"](seed) if gen is None else gen.manual_seed(int(seed))
+
+
+def _seed() -> int:
+    gen = current_generator()
+    return INSTALL.saved["seed"]() if gen is None else gen.seed()
+
+
+def _initial_seed() -> int:
+    gen = current_generator()
+    return INSTALL.saved["initial_seed"]() if gen is None else gen.initial_seed()
+
+
+def _get_rng_state() -> torch.Tensor:
+    gen = current_generator()
+    return INSTALL.saved["get_rng_state"]() if gen is None else gen.get_state()
+
+
+def _set_rng_state(new_state: torch.Tensor) -> None:
+    gen = current_generator()
+    if gen is None:
+        INSTALL.saved["set_rng_state"](new_state)
+    else:
+        gen.set_state(new_state)
+
+
+#: The functions replaced in ``torch`` and ``torch.random`` while rank threads are installed, by name.
+RNG_FUNCTIONS: dict[str, Any] = {
+    "manual_seed": _manual_seed,
+    "seed": _seed,
+    "initial_seed": _initial_seed,
+    "get_rng_state": _get_rng_state,
+    "set_rng_state": _set_rng_state,
+}
 
 
 def monitored_barrier_on_rank_threads(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> Any:
