@@ -9,17 +9,27 @@ properties. Pure: the comparison and the trace's text are driven directly, no wo
 
 from __future__ import annotations
 
+import functools
+import math
+import time
+from typing import Any
+
 import pytest
 import torch
+import torch.distributed as dist
 
-from dstest.crosscheck import _trace_difference, difference
+from dstest.context import RankContext
+from dstest.crosscheck import _trace_difference, crosscheck, difference
+from dstest.errors import InvalidArgument, RankFailure, WorldsDiverge, WorldTimeout
+from dstest.worlds.request import DEFAULT_SEED
 
 pytestmark = pytest.mark.cpu
 
 # trace signatures as trace_signature gives them: (op, group, seq, dtype, shapes, reduce_op, root, peer, tag)
-ALL_REDUCE = ("all_reduce", "world", 1, "torch.float32", ((2, 3),), "SUM", None, None, 0)
-BROADCAST = ("broadcast", "world", 2, "torch.float32", ((4,),), None, 0, None, 0)
-SEND = ("send", "group [0, 1]", None, "torch.int64", ((1,),), None, None, 1, 0)
+Signature = tuple[Any, ...]
+ALL_REDUCE: Signature = ("all_reduce", "world", 1, "torch.float32", ((2, 3),), "SUM", None, None, 0)
+BROADCAST: Signature = ("broadcast", "world", 2, "torch.float32", ((4,),), None, 0, None, 0)
+SEND: Signature = ("send", "group [0, 1]", None, "torch.int64", ((1,),), None, None, 1, 0)
 
 
 def test_a_trace_difference_names_the_rank_the_call_and_each_worlds_call_in_full() -> None:
@@ -99,8 +109,6 @@ class _Raises:
 
 
 def test_a_value_whose_equality_gives_no_bool_or_raises_is_refused_naming_it() -> None:
-    from dstest.errors import InvalidArgument
-
     with pytest.raises(InvalidArgument) as info:
         difference(_NoBool(), _NoBool())
     assert str(info.value) == (
@@ -118,9 +126,187 @@ def test_a_value_whose_equality_gives_no_bool_or_raises_is_refused_naming_it() -
 
 
 class _Bool:
-    def __eq__(self, other: object) -> object:
+    def __eq__(self, other: object) -> object:  # type: ignore[override]
         import numpy as np
 
         return np.bool_(True)
 
     __hash__ = None  # type: ignore[assignment]
+
+
+# -- crosscheck() itself: driven on the threaded world against the fake world (both in this process, a few ms
+# a run), so that its verdicts and texts are checked without the process world's workers. The fake world
+# moves no data, so a result that a collective computes differs between the two, as a real divergence
+# would (it runs ranks 0 and 1 only of a larger world: the world sizes here are 1 and 2).
+WORLDS = ("threaded", "fake")
+
+
+def _reduced(ctx: RankContext) -> torch.Tensor:
+    x = torch.ones(2)
+    dist.all_reduce(x)
+    return x
+
+
+def _passed(ctx: RankContext, *args: object, **kwargs: object) -> list[object]:
+    dist.barrier()
+    return [ctx.rank, ctx.seed, args, kwargs]
+
+
+def test_crosscheck_returns_the_first_worlds_results_with_what_it_was_given() -> None:
+    expected = [[r, 7, (1, "a"), {"k": 2}] for r in range(2)]
+    assert crosscheck(_passed, 2, worlds=WORLDS, args=(1, "a"), kwargs={"k": 2}, seed=7) == expected
+    assert crosscheck(_passed, 2, worlds=WORLDS) == [[0, DEFAULT_SEED, (), {}], [1, DEFAULT_SEED, (), {}]]
+    first = crosscheck(_world_named, 2, worlds=WORLDS)
+    assert [r.world for r in first] == ["threaded", "threaded"]
+    first = crosscheck(_world_named, 2, worlds=("fake", "threaded"))
+    assert [r.world for r in first] == ["fake", "fake"]
+
+
+class _Named:
+    """Equal to any _Named: which world made it is visible, but not to the comparison."""
+
+    def __init__(self, world: str) -> None:
+        self.world = world
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Named)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _world_named(ctx: RankContext) -> _Named:
+    return _Named(ctx.world)
+
+
+def test_crosscheck_names_the_rank_whose_result_differs_and_both_worlds() -> None:
+    with pytest.raises(WorldsDiverge) as info:
+        crosscheck(_reduced, 2, worlds=WORLDS)
+    assert str(info.value) == (
+        "_reduced at world size 2: rank 0's result[0]: torch.float32 tensors differ: 2.0 vs 1.0 "
+        "(2 of 2 elements differ) (threaded world vs fake world)"
+    )
+    with pytest.raises(WorldsDiverge) as info:
+        crosscheck(_keys_on_rank_1, 2, worlds=WORLDS)
+    assert str(info.value) == (
+        "_keys_on_rank_1 at world size 2: rank 1's result: keys ['threaded'] only on the threaded world, "
+        "['fake'] only on the fake world (threaded world vs fake world)"
+    )
+
+
+def _keys_on_rank_1(ctx: RankContext) -> dict[str, int]:
+    return {ctx.world if ctx.rank == 1 else "same": 1}
+
+
+def _off_by_a_little(ctx: RankContext) -> list[float]:
+    return [1.0 + (1e-9 if ctx.world == "threaded" else 0.0)]
+
+
+def test_crosscheck_compares_within_the_tolerances_given() -> None:
+    with pytest.raises(WorldsDiverge, match=r"rank 0's result\[0\]: 1.000000001 vs 1.0 \(threaded world vs"):
+        crosscheck(_off_by_a_little, 1, worlds=WORLDS)
+    assert crosscheck(_off_by_a_little, 1, worlds=WORLDS, rtol=1e-6) == [[1.000000001]]
+    assert crosscheck(_off_by_a_little, 1, worlds=WORLDS, atol=1e-6) == [[1.000000001]]
+    with pytest.raises(WorldsDiverge, match="beyond rtol=1e-12, atol=1e-12"):
+        crosscheck(_off_by_a_little, 1, worlds=WORLDS, rtol=1e-12, atol=1e-12)
+
+
+def _extra_broadcast(ctx: RankContext) -> None:
+    x = torch.ones(2)
+    if ctx.rank == 1 or ctx.world == "threaded":
+        dist.all_reduce(x)
+    if ctx.world == "fake":
+        dist.broadcast(x, 1)
+
+
+def test_crosscheck_names_the_first_call_where_the_traces_differ() -> None:
+    with pytest.raises(WorldsDiverge) as info:
+        crosscheck(_extra_broadcast, 2, worlds=WORLDS)
+    assert str(info.value) == (
+        "_extra_broadcast at world size 2: the collective traces differ at rank 0's call 1: threaded world "
+        "all_reduce(float32[2], op=sum) on world (seq 1), fake world broadcast(float32[2], root=1) on world (seq 1)"
+    )
+
+
+def _fails_on(ctx: RankContext, worlds: tuple[str, ...]) -> None:
+    if ctx.world in worlds:
+        raise ValueError(f"planted on the {ctx.world} world")
+
+
+def test_crosscheck_a_body_that_fails_on_one_world_diverges_with_that_failure() -> None:
+    for bad, good in (("fake", "threaded"), ("threaded", "fake")):
+        with pytest.raises(WorldsDiverge) as info:
+            crosscheck(_fails_on, 2, worlds=WORLDS, args=((bad,),))
+        text = str(info.value)
+        assert text.startswith(
+            f"_fails_on at world size 2 passes on the {good} world and fails on the {bad} world; "
+            f"the {bad} world's failure:\n"
+        ), text
+        assert isinstance(info.value.__cause__, RankFailure)
+        assert text.endswith(str(info.value.__cause__))
+        assert f"planted on the {bad} world" in text
+
+
+def test_crosscheck_a_body_that_fails_on_both_worlds_raises_the_first_worlds_failure() -> None:
+    for worlds in (WORLDS, WORLDS[::-1]):
+        with pytest.raises(RankFailure) as info:
+            crosscheck(_fails_on, 2, worlds=worlds, args=(WORLDS,))
+        assert not isinstance(info.value, WorldsDiverge)
+        assert f"planted on the {worlds[0]} world" in str(info.value)
+        assert f"planted on the {worlds[1]} world" not in str(info.value)
+
+
+def _late(ctx: RankContext) -> None:
+    if ctx.rank == 0:
+        time.sleep(0.3)
+    dist.barrier()
+
+
+def test_crosscheck_runs_each_world_with_the_timeout_given() -> None:
+    with pytest.raises(WorldTimeout, match=r"ran past its timeout of 0\.05 s"):
+        crosscheck(_late, 2, worlds=WORLDS, timeout=0.05)
+    assert crosscheck(_late, 2, worlds=WORLDS) == [None, None]
+
+
+def test_crosscheck_names_a_callable_without_a_qualname_by_its_repr() -> None:
+    body = functools.partial(_fails_on, worlds=("fake",))
+    with pytest.raises(WorldsDiverge) as info:
+        crosscheck(body, 1, worlds=WORLDS)
+    assert str(info.value).startswith(f"{body!r} at world size 1 passes on the threaded world")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "text"),
+    [
+        ({"worlds": ["threaded"]}, "crosscheck: worlds=['threaded']: name two different worlds"),
+        ({"worlds": ("fake", "fake")}, "crosscheck: worlds=['fake', 'fake']: name two different worlds"),
+        ({"worlds": ("threaded", "fake", "process")}, "name two different worlds"),
+        ({"rtol": -1e-9}, "crosscheck: rtol=-1e-09: must be a finite number >= 0"),
+        ({"atol": -1}, "crosscheck: atol=-1: must be a finite number >= 0"),
+        ({"rtol": math.inf}, "crosscheck: rtol=inf: must be a finite number >= 0"),
+        ({"atol": math.nan}, "crosscheck: atol=nan: must be a finite number >= 0"),
+        ({"rtol": True}, "crosscheck: rtol=True: must be a finite number >= 0"),
+        ({"atol": "0.1"}, "crosscheck: atol='0.1': must be a finite number >= 0"),
+    ],
+)
+def test_crosscheck_refuses_bad_arguments_before_any_world_runs(kwargs: dict[str, object], text: str) -> None:
+    ran: list[int] = []
+    with pytest.raises(InvalidArgument) as info:
+        crosscheck(ran.append, 2, **{"worlds": WORLDS, **kwargs})  # type: ignore[arg-type]
+    assert text in str(info.value)
+    assert str(info.value).startswith("crosscheck: ")
+    assert ran == []
+
+
+def test_crosscheck_takes_any_finite_tolerance_from_zero() -> None:
+    for tol in (0, 0.0, 1, 2.5):
+        assert crosscheck(_passed, 1, worlds=WORLDS, rtol=tol, atol=tol) == [[0, DEFAULT_SEED, (), {}]]
+
+
+def test_the_crosscheck_module_called_is_crosscheck() -> None:
+    """``dstest.crosscheck`` may be the module (once imported as one): calling it runs the check."""
+    import dstest.crosscheck as module
+
+    results = module(_passed, 2, worlds=WORLDS, args=(3,), seed=1)  # type: ignore[operator]
+    assert results == [[0, 1, (3,), {}], [1, 1, (3,), {}]]
+    with pytest.raises(WorldsDiverge, match="_reduced at world size 2: rank 0's result"):
+        module(_reduced, 2, worlds=WORLDS)  # type: ignore[operator]
