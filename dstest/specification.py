@@ -111,6 +111,7 @@ class Settings:
     seed: int = DEFAULT_SEED
     async_hazards: bool = False
     strict_shapes: bool = False
+    judge_on_processes: bool = True
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout)
@@ -118,6 +119,8 @@ class Settings:
         check_seed(self.seed)
         check_async_hazards(self.async_hazards)
         check_strict_shapes(self.strict_shapes)
+        if not isinstance(self.judge_on_processes, bool):
+            raise InvalidArgument(f"judge_on_processes={self.judge_on_processes!r}: give True or False")
 
 
 def _as_sizes(world_size: object) -> tuple[int, ...]:
@@ -316,7 +319,9 @@ def spec(
     names = _as_worlds(worlds)
     seconds = None if timeout is None else check_timeout(timeout)
     if contract is not None and not isinstance(contract, str):
-        raise InvalidArgument(f"contract={contract!r}: must be a str naming a contract of docs/contracts.md (e.g. 'A4'), or None")
+        raise InvalidArgument(
+            f"contract={contract!r}: must be a str naming a contract of docs/contracts.md (e.g. 'A4'), or None"
+        )
     check_async_hazards(async_hazards, names)
     check_strict_shapes(strict_shapes)
     injected = check_faults(faults)
@@ -544,19 +549,23 @@ def run_spec(
     binding = TargetBinding(settings.target)
     if prepares(settings.target, info.source):
         binding.prepare(world_device(case.world))  # the target's builds, once, outside the run's timeout
-    request = RunRequest(
-        info.fn,
-        case.world_size,
-        kwargs=kwargs,
-        timeout=info.timeout or settings.timeout,
-        seed=settings.seed,
-        setup=binding,  # on every rank, before the body
-        async_hazards=(info.async_hazards or settings.async_hazards) and case.world in HAZARD_WORLDS,
-        strict_shapes=info.strict_shapes or settings.strict_shapes,
-        faults=info.faults,
-    )
+
+    def request_for(world_name: str) -> RunRequest:
+        return RunRequest(
+            info.fn,
+            case.world_size,
+            kwargs=kwargs,
+            timeout=info.timeout or settings.timeout,
+            seed=settings.seed,
+            setup=binding,  # on every rank, before the body
+            async_hazards=(info.async_hazards or settings.async_hazards) and world_name in HAZARD_WORLDS,
+            strict_shapes=info.strict_shapes or settings.strict_shapes,
+            faults=info.faults,
+        )
+
+    judge = settings.judge_on_processes and case.world == "threaded"
     try:
-        results = world.run(request)
+        results = world.run(request_for(case.world))
     except RankFailure as failure:
         from dstest.errors import WorldAborted
 
@@ -565,6 +574,54 @@ def run_spec(
         if skipped and len(skipped) == len(primary):
             rank, first = next(iter(skipped.items()))
             _skip(str(first), _skip_location(info, first, failure.failures.get(rank)))
+        shared = getattr(failure, "thread_shared", None)
+        if judge and shared:
+            return _judge_on_processes(info, case, request_for("process"), shared, failure)
+        raise
+    shared = world.thread_shared() if judge and hasattr(world, "thread_shared") else []
+    if shared:
+        return _judge_on_processes(info, case, request_for("process"), shared, None)
+    _refuse_unrun_results(results, info.source, generators=True)
+    return results
+
+
+#: Specs the threaded world handed to the process world this session (worker-local; the plugin reports them).
+JUDGED_ON_PROCESSES: list[str] = []
+
+
+def _judge_on_processes(
+    info: SpecInfo, case: Case, request: RunRequest, shared: list[str], threaded: BaseException | None
+) -> list[Any]:
+    """A threaded run that shared what processes would not (contract E14): the process world's verdict counts.
+
+    The threaded verdict, pass or fail, is not trusted where rank threads shared state: a rank's patch of a
+    module, a module global holding a rank's group, torch's generator used by name. The same request runs on
+    the process world; its failure is raised with the threaded one as a note, its pass passes the test, and
+    either way the test is named in the session summary so that it can be marked ``worlds=["process"]``."""
+    from dstest.worlds import get_world
+
+    process = get_world("process")
+    first = str(threaded).splitlines()[0] if threaded is not None else "passed"
+    why = "; ".join(shared)
+    entry = f"{why} (threaded: {first[:200]})"
+    reason = process.unavailable_reason(case.world_size)
+    if reason is not None:
+        if threaded is not None:
+            threaded.add_note(f"dstest: rank threads shared state ({why}); the process world could not judge: {reason}")
+            raise threaded
+        raise RankFailure(
+            f"the threaded run passed, but rank threads shared state ({why}), and the process world could not "
+            f'judge it: {reason}. Mark the spec worlds=["process"] where processes are available.',
+            {},
+        )
+    JUDGED_ON_PROCESSES.append(entry)
+    try:
+        results = process.run(request)
+    except RankFailure as failure:
+        failure.add_note(
+            f"dstest: judged on the process world because rank threads shared state ({why}); "
+            f"the threaded world's verdict: {first}"
+        )
         raise
     _refuse_unrun_results(results, info.source, generators=True)
     return results

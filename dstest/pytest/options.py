@@ -26,6 +26,7 @@ OPT_FLIGHT_RECORDER = "--dstest-flight-recorder"
 OPT_ASYNC_HAZARDS = "--dstest-async-hazards"
 OPT_STRICT_SHAPES = "--dstest-strict-shapes"
 OPT_WARM = "--dstest-warm"
+OPT_THREADS_ALONE = "--dstest-threads-alone"
 INI_DESELECT_SOAK = "dstest_deselect_soak"
 
 
@@ -211,6 +212,14 @@ def _add_observation_options(group: Any) -> None:
         default=False,
         help="also refuse collectives and transfers whose ranks' buffers differ only in shape (by default, "
         "as on gloo and NCCL, element counts and dtypes must match)",
+    )
+    group.addoption(
+        OPT_THREADS_ALONE,
+        action="store_true",
+        default=False,
+        help="keep the threaded world's verdict even where its rank threads shared what processes would not (a "
+        "module attribute a rank rebound, a module global holding a rank's group, torch.default_generator used "
+        "by name); by default such a spec is run again on the process world, whose verdict counts",
     )
     group.addoption(
         OPT_WARM,

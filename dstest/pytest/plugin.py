@@ -32,6 +32,7 @@ from dstest.pytest.options import (  # light: no torch import
     OPT_SPECS,
     OPT_STRICT_SHAPES,
     OPT_TARGET,
+    OPT_THREADS_ALONE,
     OPT_TIMEOUT,
     OPT_TRACE,
     OPT_WORLD_SIZES,
@@ -128,6 +129,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "seed": (OPT_SEED, config.getoption(OPT_SEED)),
         "async_hazards": (OPT_ASYNC_HAZARDS, config.getoption(OPT_ASYNC_HAZARDS)),
         "strict_shapes": (OPT_STRICT_SHAPES, config.getoption(OPT_STRICT_SHAPES)),
+        "judge_on_processes": (OPT_THREADS_ALONE, not config.getoption(OPT_THREADS_ALONE)),
     }
     try:
         config.stash[fixtures.SETTINGS_KEY] = Settings(**{key: value for key, (_, value) in values.items()})
@@ -294,7 +296,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
         if classify(excinfo.value, _third_party(item.config))[0] == DEVIATION:
             report.user_properties.append((OUTCOME_PROPERTY, DEVIATION))
+    if call.when == "call" and _is_spec(item):
+        from dstest.specification import JUDGED_ON_PROCESSES
+
+        while JUDGED_ON_PROCESSES:  # this item's cases that the process world judged (worker-local)
+            report.user_properties.append((JUDGED_PROPERTY, JUDGED_ON_PROCESSES.pop(0)))
     return report
+
+
+#: A report's user property naming a case the process world judged (it travels from xdist workers).
+JUDGED_PROPERTY = "dstest_judged_on_processes"
 
 
 def _is_spec(item: pytest.Item) -> bool:
@@ -322,13 +333,33 @@ def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    """The tracebacks of deviations (pytest's FAILURES section lists only the "failed" category)."""
+    """The tests the process world judged, and the tracebacks of deviations (pytest's FAILURES section lists
+    only the "failed" category)."""
     from dstest.report import DEVIATION
 
+    judged = [
+        f"{report.nodeid}: {value}"
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        for key, value in getattr(report, "user_properties", ())
+        if key == JUDGED_PROPERTY
+    ]
+    if judged:
+        n = len(judged)
+        terminalreporter.write_sep(
+            "=", f"{n} test{'s were' if n > 1 else ' was'} judged on processes (rank threads shared state)", yellow=True
+        )
+        for line in judged:
+            terminalreporter.line(line)
+        terminalreporter.line(
+            f'mark them @dstest.spec(worlds=["process"]) (or give {OPT_THREADS_ALONE} to keep the threaded verdict)'
+        )
     reports = terminalreporter.stats.get(DEVIATION, [])
     if not reports or config.option.tbstyle == "no":
         return
-    terminalreporter.write_sep("=", f"DEVIATIONS of target {settings(config).target!r} from the contracts (docs/contracts.md)", yellow=True)
+    terminalreporter.write_sep(
+        "=", f"DEVIATIONS of target {settings(config).target!r} from the contracts (docs/contracts.md)", yellow=True
+    )
     for report in reports:
         terminalreporter.write_sep("_", report.head_line or report.nodeid, yellow=True)
         terminalreporter.line(report.longreprtext)

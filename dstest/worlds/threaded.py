@@ -46,9 +46,17 @@ from dstest.worlds._session import Session
 from dstest.worlds.core.faults import Killed
 from dstest.worlds.injected import RankKilled
 from dstest.worlds.request import RunRequest
-from dstest.worlds.threaded_session import ThreadedSession
+from dstest.worlds.threaded_session import ThreadedSession, watch_module_writes
 
-__all__ = ["BACKEND_NAME", "ThreadedWorld", "c10d_state", "shutdown_all", "stuck_threads", "warm_thread_cap"]
+__all__ = [
+    "BACKEND_NAME",
+    "ThreadedWorld",
+    "c10d_state",
+    "shutdown_all",
+    "stuck_threads",
+    "thread_shared_in_last_run",
+    "warm_thread_cap",
+]
 
 _THREAD_PREFIX = "dstest-rank"
 _WARM_PREFIX = "dstest-warm"
@@ -200,6 +208,30 @@ def _capture_rank_for_thread() -> Callable[[], Any] | None:
     return as_rank
 
 
+_LAST_RUN = threading.local()
+
+
+def thread_shared_in_last_run() -> list[str]:
+    """What the calling thread's last threaded run shared between rank threads that processes would not
+    (module attributes a rank rebound, module globals holding a rank's group, torch's generator used by name):
+    the plugin re-judges such a test on the process world (contract E14)."""
+    return list(getattr(_LAST_RUN, "found", []))
+
+
+def _finish(session: ThreadedSession, outcome: Outcome, notes: str) -> list[Any]:
+    """The end of a run on the caller's thread: the failure with what rank threads shared, or the results."""
+    _LAST_RUN.found = found = session.thread_shared()
+    if outcome.failures:
+        notes += session.rng_note() + session.shared_globals.note() + session.module_write_note()
+        notes += session.fault_note()
+        err = outcome.error(notes)
+        if err is not None:
+            err.thread_shared = found  # type: ignore[attr-defined]
+            raise err
+    session.raise_not_fired()
+    return outcome.results
+
+
 class _Countdown:
     """Ranks report once each; the last report wakes the one waiter (the caller of ``run``) once."""
 
@@ -258,9 +290,7 @@ def _await_ranks(
         return ""
     stacks = stacks_of(threads)
     lines = "\n".join(f"---- {t.name} ----\n{stacks.get(threads.index(t), '(no stack)')}" for t in left)
-    return (
-        f"\nthreads that could not be stopped (stuck in C code; never reused): {[t.name for t in left]}\n{lines}"
-    )
+    return f"\nthreads that could not be stopped (stuck in C code; never reused): {[t.name for t in left]}\n{lines}"
 
 
 # -- warm crews -------------------------------------------------------------------------------------
@@ -313,7 +343,9 @@ class _WarmCrew:
                 self._phase.done(rank)
                 while (task := self._tasks[rank].get()) is not None:
                     fresh.begin(self._run_id)
-                    self._defaults[rank]._seq = 0  # the world group's calls count from 1 in each run, as in a fresh world
+                    self._defaults[
+                        rank
+                    ]._seq = 0  # the world group's calls count from 1 in each run, as in a fresh world
                     task(rank)
                     if not dist.is_initialized():  # the run destroyed the default group itself
                         self.broken = True
@@ -333,6 +365,7 @@ class _WarmCrew:
     def run(self, request: RunRequest, recorder: _trace.Recorder, make_ctx: Callable[[int], RankContext]) -> list[Any]:
         session = self.session
         session.reset()
+        watch_module_writes()
         session.configure(
             recorder, hazards=request.async_hazards, strict_shapes=request.strict_shapes, faults=request.faults
         )
@@ -357,11 +390,7 @@ class _WarmCrew:
         session.forget_groups(set(self._defaults))
         if outcome.failures or notes or session.leftovers() or self.broken:
             self.close(grace=0.5)
-        if outcome.failures:
-            notes += session.rng_note() + session.shared_globals.note() + session.fault_note()
-        outcome.raise_failures(notes)
-        session.raise_not_fired()
-        return outcome.results
+        return _finish(session, outcome, notes)
 
     def usable(self) -> bool:
         return not self.retired and all(t.is_alive() for t in self.threads)
@@ -485,8 +514,14 @@ class ThreadedWorld:
             return "threaded world on cuda needs a CUDA device; none is available"
         return None
 
+    def thread_shared(self) -> list[str]:
+        """What the calling thread's last run on this world shared between rank threads that processes would
+        not (:func:`thread_shared_in_last_run`); empty when nothing was seen."""
+        return thread_shared_in_last_run()
+
     def run(self, request: RunRequest) -> list[Any]:
         request.refuse_watch(self.name)
+        _LAST_RUN.found = []
         with _trace.world_run(self.name, request.world_size, request.recorder) as recorder:
             return self._run(request, recorder)
 
@@ -519,6 +554,7 @@ class ThreadedWorld:
         device: torch.device,
     ) -> list[Any]:
         world_size, timeout = request.world_size, request.timeout
+        watch_module_writes()
         session = ThreadedSession(world_size)
         session.configure(
             recorder, hazards=request.async_hazards, strict_shapes=request.strict_shapes, faults=request.faults
@@ -556,8 +592,4 @@ class ThreadedWorld:
             left = reap(threads, self.grace if notes else 0.5)
             if left and not notes:
                 notes = f"\nthreads that could not be stopped (stuck in C code; never reused): {left}"
-        if outcome.failures and isinstance(session, ThreadedSession):
-            notes += session.rng_note() + session.shared_globals.note() + session.fault_note()
-        outcome.raise_failures(notes)
-        session.raise_not_fired()
-        return outcome.results
+        return _finish(session, outcome, notes)

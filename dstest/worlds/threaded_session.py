@@ -7,6 +7,9 @@ both named in failure reports.
 
 from __future__ import annotations
 
+import sys
+import threading
+import types
 from typing import Any
 
 import torch
@@ -14,7 +17,7 @@ import torch
 from dstest.worlds import torch_internals as _compat
 from dstest.worlds._session import Session
 
-__all__ = ["ThreadedSession"]
+__all__ = ["ThreadedSession", "watch_module_writes"]
 
 
 #: Packages whose module globals are not the code under test's (dstest's own, torch's, the test runner's).
@@ -105,6 +108,33 @@ class ThreadedSession(Session):
         super().__init__(world_size)
         self._shared_rng_state = torch.default_generator.get_state()
         self.shared_globals = _SharedGlobals()
+        self.module_writes: dict[str, list[int]] = {}  # "module.attribute" -> the ranks that rebound it
+
+    def note_module_write(self, module: str, attribute: str, rank: int) -> None:
+        ranks = self.module_writes.setdefault(f"{module}.{attribute}", [])
+        if rank not in ranks:
+            ranks.append(rank)
+
+    def module_write_note(self) -> str:
+        """For a report: the attributes of shared modules that a rank rebound during the run, and which rank."""
+        if not self.module_writes:
+            return ""
+        items = [f"{where} (by rank {', '.join(map(str, ranks))})" for where, ranks in self.module_writes.items()]
+        shown = "; ".join(items[:4]) + (f"; and {len(items) - 4} more" if len(items) > 4 else "")
+        return (
+            f"\nnote: a rank rebound an attribute of a module during the run: {shown}. Rank threads share one "
+            "module object, where each process of a world has its own: every rank saw the rank's replacement "
+            "(unittest.mock.patch, torch's patch_* helpers, mod.name = ...), and a rank's restore undid it for "
+            'all. Run such a test with worlds=["process"].'
+        )
+
+    def thread_shared(self) -> list[str]:
+        """What this run shared between rank threads that processes would not (empty: nothing seen)."""
+        found = [f"{where} rebound by rank {', '.join(map(str, r))}" for where, r in self.module_writes.items()]
+        found += [f"{where} held {what}" for where, what in self.shared_globals.found.items()]
+        if not torch.equal(torch.default_generator.get_state(), self._shared_rng_state):
+            found.append("torch.default_generator moved (used by name on a rank thread)")
+        return found
 
     def register_group(self, group: Any) -> None:
         super().register_group(group)
@@ -131,3 +161,60 @@ class ThreadedSession(Session):
         super().reset()
         self._shared_rng_state = torch.default_generator.get_state()
         self.shared_globals = _SharedGlobals()
+        self.module_writes = {}
+
+
+# -- module attributes a rank rebinds ---------------------------------------------------------------------------
+_MISSING = object()
+_WATCH_LOCK = threading.Lock()
+_watched_count = 0  # len(sys.modules) at the last scan
+
+
+class _WatchedModule(types.ModuleType):
+    """A module whose attribute writes from a rank thread are noted in the rank's session.
+
+    ``unittest.mock.patch("pkg.mod.fn")``, torch's ``patch_*`` test helpers and ``mod.fn = other`` rebind an
+    attribute of a module object every rank thread shares, where each process of a world has its own module:
+    every rank then calls one rank's replacement (with that rank's closure), and one rank's restore undoes the
+    others'. A module's own ``global`` writes go to its dict and are not seen (module state, not a patch)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        _note_write(self, name, value)
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        _note_write(self, name, _MISSING)
+        super().__delattr__(name)
+
+
+def _note_write(module: types.ModuleType, name: str, value: Any) -> None:
+    from dstest.worlds._backend import binding
+
+    session = getattr(binding, "session", None)
+    if not isinstance(session, ThreadedSession):
+        return  # not a rank thread of the threaded world (or no run)
+    old = module.__dict__.get(name, _MISSING)
+    if old is _MISSING or old is value:
+        return  # a new name (an import binding a submodule, a cache filled), or the same object again
+    if isinstance(value, types.ModuleType) and value.__name__ == f"{module.__name__}.{name}":
+        return  # an import binding the submodule it loaded
+    session.note_module_write(module.__name__, name, binding.rank)
+
+
+def watch_module_writes() -> None:
+    """Before a run: watch writes to the attributes of every plain module imported since the last scan.
+
+    A plain module's class becomes :class:`_WatchedModule` (Python allows it for ``types.ModuleType``
+    instances); other module classes (lazy modules, torch's config modules) are left as they are. The watch
+    stays for the process's life: outside a threaded run, a write costs one Python call and notes nothing."""
+    global _watched_count
+    if len(sys.modules) == _watched_count:
+        return
+    with _WATCH_LOCK:
+        for module in list(sys.modules.values()):
+            if type(module) is types.ModuleType and module.__name__ not in sys.builtin_module_names:
+                try:
+                    module.__class__ = _WatchedModule
+                except TypeError:
+                    pass
+        _watched_count = len(sys.modules)
