@@ -54,7 +54,7 @@ def plain_assignment(ctx):
 
 
 def imports_and_collectives(ctx):
-    import torch.distributed.fsdp  # noqa: F401  (an import binds a submodule on its package: not a patch)
+    import torch.distributed.fsdp  # an import binds a submodule on its package: not a patch
 
     t = torch.ones(1)
     dist.all_reduce(t)
