@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -310,3 +312,135 @@ def test_the_crosscheck_module_called_is_crosscheck() -> None:
     assert results == [[0, 1, (3,), {}], [1, 1, (3,), {}]]
     with pytest.raises(WorldsDiverge, match="_reduced at world size 2: rank 0's result"):
         module(_reduced, 2, worlds=WORLDS)  # type: ignore[operator]
+
+
+# -- Python floats and complex numbers (E14: by bits, or within rtol/atol; any NaN equal to any NaN then) -------
+def _float(bits: int) -> float:
+    return float(struct.unpack("<d", bits.to_bytes(8, "little"))[0])
+
+
+def test_python_floats_are_compared_bit_for_bit_and_named_by_value() -> None:
+    assert str(difference(1.0, 2.0, where="x")) == "x: 1.0 vs 2.0"
+    assert str(difference(0.0, -0.0)) == "the value: 0.0 vs -0.0"
+    nan1, nan2 = _float(0x7FF8000000000001), _float(0x7FF8000000000002)
+    assert difference(nan1, _float(0x7FF8000000000001)) is None
+    assert str(difference(nan1, nan2)) == "the value: nan vs nan (bits 0x7ff8000000000001 vs 0x7ff8000000000002)"
+
+
+def test_python_complex_numbers_are_compared_part_by_part_bit_for_bit() -> None:
+    assert difference(complex(1, 2), complex(1, 2)) is None
+    assert str(difference(complex(1, 2), complex(1, 3))) == "the value: (1+2j) vs (1+3j)"
+    assert str(difference(complex(1, 2), complex(0, 2))) == "the value: (1+2j) vs 2j"
+    nan1, nan2 = _float(0x7FF8000000000001), _float(0x7FF8000000000002)
+    assert str(difference(complex(0.5, nan1), complex(0.5, nan2))) == (
+        "the value: (0.5+nanj) vs (0.5+nanj) "
+        "(bits 0x3fe0000000000000 0x7ff8000000000001 vs 0x3fe0000000000000 0x7ff8000000000002)"
+    )
+    assert str(difference(complex(nan1, 0.5), complex(nan2, 0.5))) == (
+        "the value: (nan+0.5j) vs (nan+0.5j) "
+        "(bits 0x7ff8000000000001 0x3fe0000000000000 vs 0x7ff8000000000002 0x3fe0000000000000)"
+    )
+
+
+def test_python_floats_within_the_tolerances_are_equal_and_beyond_them_named() -> None:
+    assert difference(1.0, 1.0 + 1e-7, rtol=1e-6) is None  # beyond math.isclose's own default of 1e-9
+    assert difference(0.0, 1e-7, atol=1e-6) is None
+    assert difference(_float(0x7FF8000000000001), _float(0x7FF8000000000002), rtol=1e-6) is None  # any NaN
+    assert str(difference(1.0, math.nan, rtol=1e-6, where="r")) == "r: 1.0 vs nan (beyond rtol=1e-06, atol=0)"
+    assert str(difference(math.nan, 1.0, atol=0.5)) == "the value: nan vs 1.0 (beyond rtol=0, atol=0.5)"
+    assert str(difference(0.0, 1e-5, rtol=0.5, atol=1e-6)) == "the value: 0.0 vs 1e-05 (beyond rtol=0.5, atol=1e-06)"
+    assert difference(complex(1, 1), complex(1 + 1e-7, 1 - 1e-7), rtol=1e-6) is None
+    assert str(difference(complex(1, 1), complex(1, 2), rtol=1e-6)) == (
+        "the value: (1+1j) vs (1+2j) (beyond rtol=1e-06, atol=0)"
+    )
+    assert difference(complex(1, 1), complex(2, 1), rtol=1e-6) is not None
+    assert difference(complex(1, math.nan), complex(1, math.nan), atol=1e-6) is None
+
+
+# -- numpy arrays: by dtype, shape and bytes; structured ones field by field, object ones element by element ----
+def test_arrays_of_another_dtype_or_shape_are_named_by_both() -> None:
+    assert str(difference(np.zeros(2, np.float32), np.zeros(2, np.float64), where="r")) == (
+        "r: float32[2] vs float64[2] arrays"
+    )
+    assert str(difference(np.zeros((2, 1)), np.zeros((1, 2)))) == "the value: float64[2, 1] vs float64[1, 2] arrays"
+
+
+def test_arrays_that_differ_are_named_at_their_first_element() -> None:
+    a = np.arange(6, dtype=np.int32).reshape(2, 3)
+    b = a.copy()
+    b[1, 0], b[1, 2] = 9, 8
+    assert str(difference(a, b, where="w")) == "w[1, 0]: int32 arrays differ: 3 vs 9 (2 of 6 elements differ)"
+
+
+def test_structured_arrays_are_compared_field_by_field_named_by_the_field() -> None:
+    dt = np.dtype([("x", np.int16), ("y", np.float64)], align=True)
+    a, b = np.zeros(3, dt), np.zeros(3, dt)
+    a.view(np.uint8)[2:8] = 0xAB  # the padding between the fields: not compared
+    assert difference(a, b) is None
+    b["y"][2] = 1.5
+    assert str(difference(a, b, where="r")) == "r['y'][2]: float64 arrays differ: 0.0 vs 1.5 (1 of 3 elements differ)"
+    b["x"][1] = 4
+    assert str(difference(a, b, where="r")) == "r['x'][1]: int16 arrays differ: 0 vs 4 (1 of 3 elements differ)"
+
+
+def test_object_arrays_are_compared_element_by_element_as_the_objects() -> None:
+    a = np.empty((2, 2), dtype=object)
+    a[:] = [["a", 1.0], [[1, 2], None]]
+    b = np.empty((2, 2), dtype=object)
+    b[:] = [["a", 1.0], [[1, 2], None]]
+    assert difference(a, b) is None
+    b[1, 0] = [1, 3]
+    assert str(difference(a, b, where="r")) == "r[1, 0][1]: 2 vs 3"
+    b[0, 1] = 2.0
+    assert str(difference(a, b, where="r")) == "r[0, 1]: 1.0 vs 2.0"
+
+
+def test_float_arrays_within_the_tolerances_are_equal_and_beyond_them_named() -> None:
+    a = np.array([1000.0, 0.0])
+    assert difference(a, np.array([1000.0, 1e-7]), atol=1e-6) is None
+    assert difference(a, np.array([1000.0 + 1e-4, 0.0]), rtol=1e-6) is None
+    # beyond: numpy's own defaults (rtol=1e-05, atol=1e-08) would take both of these
+    assert str(difference(a, np.array([1000.001, 0.0]), atol=1e-6)) == (
+        "[0]: float64 arrays differ beyond rtol=0, atol=1e-06: 1000.0 vs 1000.001 (1 of 2 elements differ)"
+    )
+    assert str(difference(a, np.array([1000.0, 1e-9]), rtol=1e-6, where="r")) == (
+        "r[1]: float64 arrays differ beyond rtol=1e-06, atol=0: 0.0 vs 1e-09 (1 of 2 elements differ)"
+    )
+    assert difference(np.array([np.nan]), np.array([-np.nan]), rtol=1e-6) is None  # any NaN
+
+
+def _long_double(values: list[complex], dtype: Any, fill: int) -> Any:
+    """An array of ``dtype`` with ``values`` whose padding bytes (x87's 10 bytes of value in 16) hold ``fill``."""
+    out = np.empty(len(values), dtype=dtype)
+    out.view(np.uint8)[:] = fill
+    out[:] = values
+    return out
+
+
+@pytest.mark.skipif(np.finfo(np.longdouble).nmant != 63, reason="long double is x87 extended precision here only")
+def test_long_doubles_are_compared_by_value_whatever_their_padding() -> None:
+    for dtype in (np.longdouble, np.clongdouble):
+        assert difference(_long_double([1, 2], dtype, 0x00), _long_double([1, 2], dtype, 0xFF)) is None
+        nans = _long_double([np.nan, 0], dtype, 0x00)
+        assert difference(nans, _long_double([np.nan, 0], dtype, 0x55)) is None
+        found = difference(_long_double([1, 0.0], dtype, 0), _long_double([1, -0.0], dtype, 0xFF))
+        assert found is not None and found.path == "[1]" and "(1 of 2 elements differ)" in found.why
+        found = difference(_long_double([3, 2], dtype, 0), _long_double([1, 2], dtype, 0))
+        assert found is not None and found.path == "[0]"
+    a = _long_double([1 + 2j, 3 + 4j], np.clongdouble, 0)
+    assert str(difference(a, _long_double([1 + 2j, 5 + 4j], np.clongdouble, 0xFF))).startswith(
+        "[1]: complex256 arrays differ: np.clongdouble('3+4j') vs np.clongdouble('5+4j') (1 of 2"
+    )  # the real part alone differs
+    assert str(difference(a, _long_double([1 + 2j, 3 + 5j], np.clongdouble, 0xFF))).startswith(
+        "[1]: complex256 arrays differ: np.clongdouble('3+4j') vs np.clongdouble('3+5j') (1 of 2"
+    )  # the imaginary part alone
+    real = _long_double([1, 2, 3], np.longdouble, 0)
+    assert str(difference(real, _long_double([1, 4, 3], np.longdouble, 0xFF))).startswith(
+        "[1]: float128 arrays differ: np.longdouble('2.0') vs np.longdouble('4.0') (1 of 3"
+    )
+
+
+def test_tensor_elements_that_print_differently_show_no_bits() -> None:
+    assert str(difference(torch.tensor([7.0]), torch.tensor([3.0]))) == (
+        "[0]: torch.float32 tensors differ: 7.0 vs 3.0 (1 of 1 elements differ)"
+    )

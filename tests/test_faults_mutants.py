@@ -176,3 +176,50 @@ def test_a_fault_on_a_group_the_rank_never_called_on_counts_0_calls_there() -> N
         "Fail(rank=0, op='all_reduce', nth=1, group='world') never fired: rank 0 made 0 all_reduce calls on group "
         "world (1 on any group)"
     ]
+
+
+# -- a fault's settings: each refusal in full (G5: a bad fault is refused naming the setting, the value and what is
+# allowed, before anything starts)
+_GROUP_HELP = "group must be None (any group), 'world' (the default group) or a list of the group's global ranks"
+_RANKS_HELP = "a group is given by its global ranks, ints >= 0, at least one"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "text"),
+    [
+        ({"rank": -1}, "Kill(rank=-1): rank must be an int >= 0 (a global rank of the world)"),
+        ({"rank": True}, "Kill(rank=True): rank must be an int >= 0 (a global rank of the world)"),
+        ({"rank": 1.0}, "Kill(rank=1.0): rank must be an int >= 0 (a global rank of the world)"),
+        ({"rank": 0, "nth": 0}, "Kill(nth=0): nth must be an int >= 1 (the rank's 1st, 2nd... call of op)"),
+        ({"rank": 0, "nth": True}, "Kill(nth=True): nth must be an int >= 1 (the rank's 1st, 2nd... call of op)"),
+        ({"rank": 0, "nth": 1.5}, "Kill(nth=1.5): nth must be an int >= 1 (the rank's 1st, 2nd... call of op)"),
+        ({"rank": 0, "nth": "2"}, "Kill(nth='2'): nth must be an int >= 1 (the rank's 1st, 2nd... call of op)"),
+        ({"rank": 0, "group": "tp"}, f"Kill(group='tp'): {_GROUP_HELP}"),
+        ({"rank": 0, "group": b"\x00"}, f"Kill(group=b'\\x00'): {_GROUP_HELP}"),
+        ({"rank": 0, "group": 0}, f"Kill(group=0): {_GROUP_HELP}"),
+        ({"rank": 0, "group": {0, 1}}, f"Kill(group={{0, 1}}): {_GROUP_HELP}"),
+        ({"rank": 0, "group": []}, f"Kill(group=[]): {_RANKS_HELP}"),
+        ({"rank": 0, "group": [0, -1]}, f"Kill(group=[0, -1]): {_RANKS_HELP}"),
+        ({"rank": 0, "group": [0, True]}, f"Kill(group=[0, True]): {_RANKS_HELP}"),
+        ({"rank": 0, "group": [0, 1.0]}, f"Kill(group=[0, 1.0]): {_RANKS_HELP}"),
+        (
+            {"rank": 0, "optional": 1},
+            "Kill(optional=1): optional must be True or False (True: the fault may not "
+            "fire in a run, and the run passes all the same)",
+        ),
+    ],
+)
+def test_a_bad_setting_of_a_fault_is_refused_naming_it_the_value_and_what_is_allowed(
+    kwargs: dict[str, Any], text: str
+) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        Kill(**kwargs)
+    assert str(info.value) == text
+
+
+def test_a_fault_takes_ints_from_its_bounds_and_a_group_as_any_sequence_of_ranks() -> None:
+    assert Kill(0, nth=1).nth == 1
+    assert Fail(0, group=(2, 0)).group == (0, 2)
+    assert Fail(0, group=range(2)).group == (0, 1)
+    assert Delay(0, group="world").group == "world"
+    assert Kill(0, optional=True).optional is True
