@@ -444,3 +444,42 @@ def test_tensor_elements_that_print_differently_show_no_bits() -> None:
     assert str(difference(torch.tensor([7.0]), torch.tensor([3.0]))) == (
         "[0]: torch.float32 tensors differ: 7.0 vs 3.0 (1 of 1 elements differ)"
     )
+
+
+def test_array_elements_that_print_alike_show_their_own_bits() -> None:
+    a = np.array([0x7FF8000000000001, 0x7FF8000000000003, 7], dtype=np.int64).view(np.float64)
+    b = np.array([0x7FF8000000000002, 0x7FF8000000000003, 7], dtype=np.int64).view(np.float64)
+    assert str(difference(a, b)) == (
+        "[0]: float64 arrays differ: nan vs nan (bits 0x7ff8000000000001 vs 0x7ff8000000000002) (1 of 3 elements differ)"
+    )
+    assert difference(a[1:], b[1:]) is None
+    assert str(difference(b[:2], a[[1, 1]].copy())) == (
+        "[0]: float64 arrays differ: nan vs nan (bits 0x7ff8000000000002 vs 0x7ff8000000000003) (1 of 2 elements differ)"
+    )
+
+
+def test_sparse_tensors_are_compared_as_the_dense_values_they_hold() -> None:
+    a = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
+    assert difference(a.to_sparse(), a.clone().to_sparse()) is None
+    b = a.clone()
+    b[1, 1] = 5.0
+    assert str(difference(a.to_sparse(), b.to_sparse())) == (
+        "[1, 1]: torch.float32 tensors differ: 0.0 vs 5.0 (1 of 4 elements differ)"
+    )
+
+
+def test_negative_and_conjugate_views_are_compared_as_the_values_they_stand_for() -> None:
+    ints = torch.tensor([1, -2, 3])
+    assert difference(torch._neg_view(ints), torch.tensor([-1, 2, -3])) is None
+    assert str(difference(torch._neg_view(ints), ints)) == (
+        "[0]: torch.int64 tensors differ: -1 vs 1 (3 of 3 elements differ)"
+    )
+    floats = torch.tensor([1.5, -0.0, 2.0])
+    assert difference(torch._neg_view(floats), torch.tensor([-1.5, 0.0, -2.0])) is None
+    z = torch.tensor([1 + 2j, -3 - 4j])
+    assert difference(z.conj(), torch.tensor([1 - 2j, -3 + 4j])) is None
+    assert difference(torch._neg_view(z), torch.tensor([-1 - 2j, 3 + 4j])) is None
+    assert difference(torch._neg_view(z.conj()), torch.tensor([-1 + 2j, 3 - 4j])) is None
+    assert str(difference(z.conj(), z)) == (
+        "[0]: torch.complex64 tensors differ: (1-2j) vs (1+2j) (2 of 2 elements differ)"
+    )
