@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import dstest
 from dstest.context import RankContext
-from dstest.errors import InvalidArgument
+from dstest.errors import InvalidArgument, ReplicasDiverge
 
 pytestmark = pytest.mark.cpu
 
@@ -50,3 +50,63 @@ def test_bad_tolerances_and_names_are_refused_in_full_on_every_rank() -> None:
     settings = [kwargs for kwargs, _ in BAD_TOLERANCES]
     expected = [text for _, text in BAD_TOLERANCES]
     assert dstest.run(_refusals, 2, args=(settings,)) == [expected, expected]
+
+
+def _caught(obj: object, **kwargs: Any) -> str | None:
+    try:
+        dstest.assert_replicas(obj, **kwargs)
+    except ReplicasDiverge as exc:
+        return str(exc)
+    return None
+
+
+def _float32(bits: int) -> torch.Tensor:
+    return torch.tensor([bits], dtype=torch.int32).view(torch.float32)
+
+
+def _messages(ctx: RankContext) -> list[str | None]:
+    r, t = ctx.rank, torch.zeros(2)
+    keys = [f"k{i}" for i in range(7)]
+    return [
+        _caught({"w": torch.cat([torch.ones(1), _float32(0x7FC00001 + r)])}),  # NaNs of two payloads
+        _caught({k: t for k in keys} if r == 0 else {"k0": t}),  # 7 names: 5 shown and 2 more
+        _caught({k: t for k in keys[:6]} if r == 0 else {"k0": t}),  # 6 names: 5 lacking, shown all
+        _caught({"u": torch.tensor([2**63 + r, 5], dtype=torch.uint64)}, atol=1),  # uint64: exact arithmetic
+        _caught({"u": torch.tensor([2**63 + 3 * r, 5], dtype=torch.uint64)}, atol=1),
+        _caught({f"d{i}": torch.full((2,), float(r * i)) for i in range(8)}),  # 7 differ: 1 named, 5 also, 1 more
+        _caught({f"d{i}": torch.full((2,), float(r * i)) for i in range(7)}),
+        _caught({"b": torch.tensor([True, r == 1])}),  # no arithmetic: the first difference
+        _caught(torch.tensor([1.0, r])),
+        _caught([torch.tensor([1.0, r])], what="the weights"),
+    ]
+
+
+HEAD = "replicas of tensors diverge over ranks [0, 1]: "
+FIRST = "tensor 'k0', tensor 'k1', tensor 'k2', tensor 'k3', tensor 'k4'"
+NAMES = "tensor 'k1', tensor 'k2', tensor 'k3', tensor 'k4', tensor 'k5'"
+D1 = (
+    "tensor 'd1' (float32[2]) differs bit for bit: ranks [0] vs ranks [1]; largest absolute difference 1 at index (0,) "
+)
+ALSO = "(rank 0: 0, rank 1: 1); also different: tensor 'd2', tensor 'd3', tensor 'd4', tensor 'd5', tensor 'd6'"
+
+
+def test_every_rank_reads_the_same_message_naming_what_differs_where_and_by_how_much() -> None:
+    expected = [
+        HEAD + "tensor 'w' (float32[2]) differs bit for bit: ranks [0] vs ranks [1]; largest absolute difference 0 at "
+        "index (1,) (rank 0: nan (0x7fc00001), rank 1: nan (0x7fc00002))",
+        HEAD + "the ranks hold different tensors (rank 0 holds 7: " + FIRST + " and 2 more): "
+        "ranks [1] lack " + NAMES + " and 1 more",
+        HEAD + "the ranks hold different tensors (rank 0 holds 6: " + FIRST + " and 1 more): ranks [1] lack " + NAMES,
+        None,
+        HEAD + "tensor 'u' (uint64[2]) differs beyond rtol=0, atol=1: ranks [0] vs ranks [1]; largest absolute "
+        "difference 3 at index (0,) (rank 0: 9223372036854775808, rank 1: 9223372036854775811)",
+        HEAD + D1 + ALSO + " and 1 more",
+        HEAD + D1 + ALSO,
+        HEAD + "tensor 'b' (bool[2]) differs bit for bit: ranks [0] vs ranks [1]; first difference at index (1,) "
+        "(rank 0: False, rank 1: True)",
+        "replicas of tensor diverge over ranks [0, 1]: the tensor (float32[2]) differs bit for bit: ranks [0] vs "
+        "ranks [1]; largest absolute difference 1 at index (1,) (rank 0: 0, rank 1: 1)",
+        "replicas of the weights diverge over ranks [0, 1]: tensor [0] (float32[2]) differs bit for bit: ranks [0] "
+        "vs ranks [1]; largest absolute difference 1 at index (1,) (rank 0: 0, rank 1: 1)",
+    ]
+    assert dstest.run(_messages, 2) == [expected, expected]
