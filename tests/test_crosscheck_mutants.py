@@ -483,3 +483,13 @@ def test_negative_and_conjugate_views_are_compared_as_the_values_they_stand_for(
     assert str(difference(z.conj(), z)) == (
         "[0]: torch.complex64 tensors differ: (1-2j) vs (1+2j) (2 of 2 elements differ)"
     )
+
+
+def test_tensors_of_another_dtype_shape_or_layout_are_named_at_their_path() -> None:
+    assert str(difference(torch.zeros(2), torch.zeros(2, dtype=torch.float64), where="r[0]")) == (
+        "r[0]: torch.float32[2] vs torch.float64[2]"
+    )
+    assert (
+        str(difference(torch.zeros(2, 1), torch.zeros(1, 2))) == "the value: torch.float32[2, 1] vs torch.float32[1, 2]"
+    )
+    assert str(difference(torch.zeros(2), torch.zeros(2).to_sparse(), where="r")) == "r: strided vs sparse_coo tensors"
