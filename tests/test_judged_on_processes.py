@@ -158,3 +158,18 @@ def test_threads_alone_keeps_the_threaded_verdict(pytester: pytest.Pytester) -> 
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", "--dstest-threads-alone")
     result.stdout.fnmatch_lines(["*test_patches_per_rank*threaded-ws2* FAILED*", "*2 failed, 1 passed*"])
     assert "judged on processes" not in result.stdout.str()
+
+
+def catches_warnings(ctx):
+    import warnings
+
+    with warnings.catch_warnings():  # rebinds warnings.filters on exit: the interpreter's, not a patch
+        warnings.simplefilter("ignore")
+        t = torch.ones(1)
+        dist.all_reduce(t)
+    return t.item()
+
+
+def test_the_standard_librarys_bookkeeping_is_not_a_patch():
+    assert dstest.run(catches_warnings, 2) == [2.0, 2.0]
+    assert thread_shared_in_last_run() == []

@@ -176,7 +176,9 @@ class _WatchedModule(types.ModuleType):
     ``unittest.mock.patch("pkg.mod.fn")``, torch's ``patch_*`` test helpers and ``mod.fn = other`` rebind an
     attribute of a module object every rank thread shares, where each process of a world has its own module:
     every rank then calls one rank's replacement (with that rank's closure), and one rank's restore undoes the
-    others'. A module's own ``global`` writes go to its dict and are not seen (module state, not a patch)."""
+    others'. A module's own ``global`` writes go to its dict and are not seen (module state, not a patch);
+    writes to the standard library's modules are left out (``warnings.catch_warnings`` rebinds
+    ``warnings.filters`` on entry and exit: bookkeeping of the interpreter, not the code under test)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         _note_write(self, name, value)
@@ -198,6 +200,8 @@ def _note_write(module: types.ModuleType, name: str, value: Any) -> None:
         return  # a new name (an import binding a submodule, a cache filled), or the same object again
     if isinstance(value, types.ModuleType) and value.__name__ == f"{module.__name__}.{name}":
         return  # an import binding the submodule it loaded
+    if module.__name__.partition(".")[0] in sys.stdlib_module_names:
+        return  # the interpreter's bookkeeping (warnings.catch_warnings restores warnings.filters), not the code under test
     session.note_module_write(module.__name__, name, binding.rank)
 
 
