@@ -378,6 +378,15 @@ def _integer_differences(
     return diff, diff <= atol + rtol * scale
 
 
+def _take(t: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """The elements of ``t`` at the flat indices ``flat``. torch indexes no dtype without arithmetic (bits8,
+    packed float4...), so those are taken as bytes and viewed back."""
+    try:
+        return t.reshape(-1)[flat]
+    except RuntimeError:  # NotImplementedError: "index_cpu" not implemented for 'Bits8'
+        return _raw(t).reshape(t.numel(), -1)[flat].reshape(-1).view(t.dtype)
+
+
 def _compare(entry: _Entry, values: list[torch.Tensor], rtol: float, atol: float) -> str | None:
     """The text of a difference among ``values`` (one per rank of the entry's group), or None if the values
     are identical or within tolerance of the lowest rank's. Only the elements whose bits differ are converted
@@ -402,7 +411,7 @@ def _compare(entry: _Entry, values: list[torch.Tensor], rtol: float, atol: float
         where = _differing(ints[0], ints[pos])
         if len(where) == 0:
             continue
-        found = _differences(values[pos].reshape(-1)[where], ref.reshape(-1)[where], rtol, atol)
+        found = _differences(_take(values[pos], where), _take(ref, where), rtol, atol)
         if found is None:
             failing = True
             if bits_flat < 0:

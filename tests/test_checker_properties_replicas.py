@@ -464,3 +464,13 @@ def test_names_a_rank_cannot_tell_apart_are_an_invalid_argument():
     raises the same InvalidArgument, from the same gathered lists."""
     with pytest.raises(InvalidArgument, match=r"rank 1 holds two tensors named tensor 'a'"):
         replicas._match_structure([_described(["a"]), _described(["a", "a"])], (0, 1))
+
+
+# -- dtypes without arithmetic (bits8, bits16, packed float4) --------------------------------------------------------
+@pytest.mark.parametrize("world", ["threaded", "process"])
+def test_dtypes_without_arithmetic_that_differ_are_named_by_their_bits_on_both_worlds(world):
+    """A tensor of a dtype torch cannot index that differs was an error (NotImplementedError: "index_cpu" not
+    implemented for 'Bits8') instead of a ReplicasDiverge; found by a mutant of the bits shown for them."""
+    from test_replicas_mutants import BIT_DTYPES_EXPECTED, bit_dtypes
+
+    assert dstest.run(bit_dtypes, 2, world=world) == [BIT_DTYPES_EXPECTED, BIT_DTYPES_EXPECTED]

@@ -110,3 +110,31 @@ def test_every_rank_reads_the_same_message_naming_what_differs_where_and_by_how_
         "vs ranks [1]; largest absolute difference 1 at index (1,) (rank 0: 0, rank 1: 1)",
     ]
     assert dstest.run(_messages, 2) == [expected, expected]
+
+
+def bit_dtypes(ctx: RankContext) -> list[str | None]:
+    """Tensors of dtypes without arithmetic (bits, packed float4), equal and then one element apart on rank 1."""
+    out = []
+    for dtype in (torch.bits8, torch.bits16, torch.float4_e2m1fn_x2):
+        raw = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+        out.append(_caught({"p": raw.view(dtype)}))
+        raw[2] += ctx.rank
+        out.append(_caught({"p": raw.view(dtype)}))
+    return out
+
+
+_FIRST = "differs bit for bit: ranks [0] vs ranks [1]; first difference at index"
+BIT_DTYPES_EXPECTED = [
+    None,
+    HEAD + f"tensor 'p' (bits8[4]) {_FIRST} (2,) (rank 0: bits 0x03, rank 1: bits 0x04)",
+    None,
+    HEAD + f"tensor 'p' (bits16[2]) {_FIRST} (1,) (rank 0: bits 0x0403, rank 1: bits 0x0404)",
+    None,
+    HEAD + f"tensor 'p' (float4_e2m1fn_x2[4]) {_FIRST} (2,) (rank 0: bits 0x03, rank 1: bits 0x04)",
+]
+
+
+def test_tensors_of_dtypes_without_arithmetic_that_differ_are_named_by_their_bits() -> None:
+    """G4 for every dtype: the first element whose bits differ, shown as bits (no Python value holds it). The
+    process world: tests/test_checker_properties_replicas.py."""
+    assert dstest.run(bit_dtypes, 2) == [BIT_DTYPES_EXPECTED, BIT_DTYPES_EXPECTED]
