@@ -138,3 +138,97 @@ def test_tensors_of_dtypes_without_arithmetic_that_differ_are_named_by_their_bit
     """G4 for every dtype: the first element whose bits differ, shown as bits (no Python value holds it). The
     process world: tests/test_checker_properties_replicas.py."""
     assert dstest.run(bit_dtypes, 2) == [BIT_DTYPES_EXPECTED, BIT_DTYPES_EXPECTED]
+
+
+_DTYPES = [torch.bool, torch.uint8, torch.int16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]
+_DTYPES += [torch.complex128, torch.int64]
+
+
+def _one_element_apart(ctx: RankContext) -> list[str | None]:
+    """For each dtype (elements of 1, 2, 4, 8 and 16 bytes), three elements, the last one's bits changed on rank 1
+    (for complex dtypes, its imaginary part only)."""
+    out = []
+    for dtype in _DTYPES:
+        t = torch.zeros(3, dtype=dtype)
+        if ctx.rank == 1:
+            t[2] = True if dtype == torch.bool else (1j if dtype.is_complex else 1)
+        out.append(_caught({"t": t}))
+    return out
+
+
+@pytest.mark.parametrize("path", ["numpy", "torch"])
+def test_the_element_that_differs_is_found_for_every_element_size_with_or_without_numpy(
+    monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    from dstest import replicas
+
+    if path == "torch":  # torch runs without numpy: the elements are then compared with torch alone
+        monkeypatch.setattr(replicas, "_numpy", lambda: None)
+    results = dstest.run(_one_element_apart, 2)
+    assert results[0] == results[1]
+    for dtype, text in zip(_DTYPES, results[0]):
+        name = str(dtype).removeprefix("torch.")
+        if dtype == torch.bool:
+            shown = "first difference at index (2,) (rank 0: False, rank 1: True)"
+        elif dtype.is_complex:
+            shown = "largest absolute difference 1 at index (2,) (rank 0: 0j, rank 1: 1j)"
+        else:
+            shown = "largest absolute difference 1 at index (2,) (rank 0: 0, rank 1: 1)"
+        assert text == HEAD + f"tensor 't' ({name}[3]) differs bit for bit: ranks [0] vs ranks [1]; {shown}", dtype
+
+
+def _signs_apart(ctx: RankContext) -> list[str | None]:
+    """-100 on rank 0, 100 on rank 1: 200 apart, in every integer dtype that holds both (int8's own arithmetic
+    would wrap)."""
+    out = []
+    for dtype in (torch.int8, torch.int16, torch.int32, torch.int64):
+        t = torch.tensor([3, 100 if ctx.rank else -100], dtype=dtype)
+        out += [_caught({"i": t}, atol=200), _caught({"i": t}, atol=199), _caught({"i": t}, rtol=1.99)]
+    return out
+
+
+def test_integers_are_compared_under_a_tolerance_by_their_exact_difference() -> None:
+    results = dstest.run(_signs_apart, 2)
+    assert results[0] == results[1]
+    for k, name in enumerate(("int8", "int16", "int32", "int64")):
+        within, beyond, relative = results[0][3 * k : 3 * k + 3]
+        assert within is None, name
+        tail = "ranks [0] vs ranks [1]; largest absolute difference 200 at index (1,) (rank 0: -100, rank 1: 100)"
+        assert beyond == HEAD + f"tensor 'i' ({name}[2]) differs beyond rtol=0, atol=199: {tail}"
+        assert relative == HEAD + f"tensor 'i' ({name}[2]) differs beyond rtol=1.99, atol=0: {tail}"
+
+
+def _checked_after_a_step(ctx: RankContext) -> list[str | None]:
+    """replicas_checked: bit for bit by default (a weight 1e-3 apart on rank 1 fails), over the group given (two
+    pairs of ranks, equal within a pair, not across: passes), and a bad group refused when it is called."""
+    import torch.nn as nn
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    out: list[str | None] = []
+    model = nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight.fill_(1.0 + (1e-3 if ctx.rank == 1 else 0.0))
+        model.bias.fill_(float(ctx.rank // 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    try:
+        with ctx.replicas_checked(model):
+            opt.step()
+        out.append(None)
+    except ReplicasDiverge as exc:
+        out.append(str(exc).split(":")[0])
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    with ctx.replicas_checked(model, group=pairs[ctx.rank // 2]):
+        opt.step()  # raises if the check is made over the world
+    with pytest.raises(InvalidArgument) as info:
+        ctx.replicas_checked(model, group=3)
+    out.append(str(info.value))
+    return out
+
+
+def test_replicas_checked_compares_bit_for_bit_by_default_over_the_group_given() -> None:
+    expected = [
+        "replicas of Linear after optimizer step 1 (SGD) diverge over ranks [0, 1, 2, 3]",
+        "group=3: must be a torch.distributed ProcessGroup (or None for the world), got int",
+    ]
+    assert dstest.run(_checked_after_a_step, 4) == [expected] * 4
