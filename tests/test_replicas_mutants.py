@@ -151,7 +151,8 @@ def _one_element_apart(ctx: RankContext) -> list[str | None]:
     for dtype in _DTYPES:
         t = torch.zeros(3, dtype=dtype)
         if ctx.rank == 1:
-            t[2] = True if dtype == torch.bool else (1j if dtype.is_complex else 1)
+            value: Any = True if dtype == torch.bool else (1j if dtype.is_complex else 1)
+            t[2] = value
         out.append(_caught({"t": t}))
     return out
 
