@@ -233,3 +233,55 @@ def test_replicas_checked_compares_bit_for_bit_by_default_over_the_group_given()
         "group=3: must be a torch.distributed ProcessGroup (or None for the world), got int",
     ]
     assert dstest.run(_checked_after_a_step, 4) == [expected] * 4
+
+
+def _three_ranks(ctx: RankContext) -> list[str | None]:
+    """Ranks 1 and 2 each differ from rank 0, at other elements: the message names rank 1's difference, the first
+    of the largest (a tie) or the first of a dtype without arithmetic."""
+    r = ctx.rank
+    floats = torch.zeros(3)
+    bools = torch.zeros(3, dtype=torch.bool)
+    if r:
+        floats[r - 1] = 1.0
+        bools[r - 1] = True
+    return [_caught({"f": floats}), _caught({"b": bools})]
+
+
+def test_of_several_ranks_that_differ_the_lowest_ones_difference_is_named() -> None:
+    head = "replicas of tensors diverge over ranks [0, 1, 2]: "
+    expected = [
+        head + "tensor 'f' (float32[3]) differs bit for bit: ranks [0] vs ranks [1] vs ranks [2]; largest absolute "
+        "difference 1 at index (0,) (rank 0: 0, rank 1: 1)",
+        head + "tensor 'b' (bool[3]) differs bit for bit: ranks [0] vs ranks [1] vs ranks [2]; first difference at "
+        "index (0,) (rank 0: False, rank 1: True)",
+    ]
+    assert dstest.run(_three_ranks, 3) == [expected] * 3
+
+
+def _floats_at_the_edges(ctx: RankContext) -> list[str | None]:
+    r = ctx.rank
+    nan = _float32(0x7FC00001 + r)
+    return [
+        _caught({"n": torch.cat([torch.ones(1), nan])}, rtol=0.1),  # NaNs of two payloads: within any tolerance
+        _caught({"z": torch.tensor([0.0 if r else -0.0])}, atol=1e-9),  # -0.0 and 0.0: 0 apart
+        _caught({"e": torch.tensor([1.0 + 0.5 * r])}, atol=0.5),  # exactly atol apart: within
+        _caught({"e": torch.tensor([1.0 + 0.5 * r])}, atol=0.25, rtol=0.25),  # exactly atol + rtol * |x0|: within
+        _caught({"big": torch.tensor([3e38 if r else -3e38])}, atol=1),  # 6e38 apart: float32 would say inf
+        _caught({"i": torch.tensor([math.inf if r else -math.inf])}, rtol=1),  # inf and -inf: inf apart
+    ]
+
+
+def test_floats_are_compared_in_float64_with_nans_alike_and_the_bounds_within() -> None:
+    results = dstest.run(_floats_at_the_edges, 2)
+    assert results[0] == results[1]
+    vs = "ranks [0] vs ranks [1]; largest absolute difference"
+    assert results[0] == [
+        None,
+        None,
+        None,
+        None,
+        HEAD + f"tensor 'big' (float32[1]) differs beyond rtol=0, atol=1: {vs} 6e+38 at index (0,) (rank 0: "
+        "-3.00000001e+38, rank 1: 3.00000001e+38)",
+        HEAD + f"tensor 'i' (float32[1]) differs beyond rtol=1, atol=0: {vs} inf at index (0,) (rank 0: -inf, "
+        "rank 1: inf)",
+    ]
