@@ -285,3 +285,30 @@ def test_floats_are_compared_in_float64_with_nans_alike_and_the_bounds_within() 
         HEAD + f"tensor 'i' (float32[1]) differs beyond rtol=1, atol=0: {vs} inf at index (0,) (rank 0: -inf, "
         "rank 1: inf)",
     ]
+
+
+def _mesh_groups(ctx: RankContext) -> list[str | None]:
+    """A DTensor replicated on both dimensions of a 2 x 2 mesh, whose local tensor differs on rank 3: it differs
+    over two groups (mesh dim 0's [1, 3], dim 1's [2, 3]); every rank names the same, the first entry's. Then two
+    tensors beyond a tolerance: the first is named."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    local = torch.zeros(2)
+    if ctx.rank == 3:
+        local[1] = 1.0
+    w = DTensor.from_local(local, mesh, [Replicate(), Replicate()], run_check=False)
+    r = ctx.rank
+    return [_caught({"w": w}), _caught({"a": torch.tensor([1.0 + r]), "b": torch.tensor([2.0 + r])}, atol=0.5)]
+
+
+def test_differences_over_several_groups_give_every_rank_the_first_one() -> None:
+    head = "replicas of tensors diverge over ranks [0, 1, 2, 3]: "
+    expected = [
+        head + "tensor 'w' (local, Replicate on mesh dim 0 'dp') (float32[2]) differs bit for bit: ranks [1] vs "
+        "ranks [3]; largest absolute difference 1 at index (1,) (rank 1: 0, rank 3: 1)",
+        head + "tensor 'a' (float32[1]) differs beyond rtol=0, atol=0.5: ranks [0] vs ranks [1] vs ranks [2] vs "
+        "ranks [3]; largest absolute difference 3 at index (0,) (rank 0: 1, rank 3: 4)",
+    ]
+    assert dstest.run(_mesh_groups, 4) == [expected] * 4
