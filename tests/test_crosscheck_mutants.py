@@ -493,3 +493,58 @@ def test_tensors_of_another_dtype_shape_or_layout_are_named_at_their_path() -> N
         str(difference(torch.zeros(2, 1), torch.zeros(1, 2))) == "the value: torch.float32[2, 1] vs torch.float32[1, 2]"
     )
     assert str(difference(torch.zeros(2), torch.zeros(2).to_sparse(), where="r")) == "r: strided vs sparse_coo tensors"
+
+
+def test_values_of_other_types_are_named_by_both_types() -> None:
+    assert str(difference(1, 1.0)) == "the value: int vs float"
+    assert str(difference([1], (1,), where="r")) == "r: list vs tuple"
+    assert str(difference({"x": complex(1, 2)}, {"x": complex(1, 3)}, where="r")) == "r['x']: (1+2j) vs (1+3j)"
+
+
+def test_cyclic_containers_compare_once_around_the_cycle() -> None:
+    a: list[Any] = [1]
+    a.append(a)
+    b: list[Any] = [1]
+    b.append(b)
+    assert difference(a, b) is None
+    deep: list[Any] = [1, [1, [1, [2, []]]]]
+    assert str(difference(deep, b)) == "[1][1][1][0]: 2 vs 1"
+    assert str(difference(b, deep)) == "[1][1][1][0]: 1 vs 2"
+
+
+def test_a_value_whose_equality_raises_is_refused_as_the_value_without_a_path() -> None:
+    with pytest.raises(InvalidArgument) as info:
+        difference(_Raises(), _Raises())
+    assert str(info.value) == "crosscheck cannot compare the value: _Raises == _Raises raised ValueError: no"
+
+
+def test_a_tensor_with_no_bytes_to_compare_is_refused_naming_its_layout_and_dtype() -> None:
+    jagged = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)], layout=torch.jagged)
+    tail = (
+        "a jagged torch.float32 tensor has no bytes to compare (RuntimeError: to_dense does not support layout Jagged)"
+    )
+    with pytest.raises(InvalidArgument) as info:
+        difference(jagged, jagged)
+    assert str(info.value) == f"crosscheck cannot compare the value: {tail}"
+    with pytest.raises(InvalidArgument) as info:
+        difference([jagged], [jagged], where="r")
+    assert str(info.value) == f"crosscheck cannot compare r[0]: {tail}"
+
+
+def test_float_tensors_within_the_tolerances_are_equal_and_beyond_them_named() -> None:
+    a = torch.tensor([1000.0, 0.0], dtype=torch.float64)
+    assert difference(a, torch.tensor([1000.0, 1e-7], dtype=torch.float64), atol=1e-6) is None
+    assert difference(a, torch.tensor([1000.0 + 1e-4, 0.0], dtype=torch.float64), rtol=1e-6) is None
+    # beyond: torch's own defaults (rtol=1e-05, atol=1e-08) would take both of these
+    assert str(difference(a, torch.tensor([1000.001, 0.0], dtype=torch.float64), atol=1e-6)) == (
+        "[0]: torch.float64 tensors differ beyond rtol=0, atol=1e-06: 1000.0 vs 1000.001 (1 of 2 elements differ)"
+    )
+    assert str(difference(a, torch.tensor([1000.0, 1e-9], dtype=torch.float64), rtol=1e-6, where="r")) == (
+        "r[1]: torch.float64 tensors differ beyond rtol=1e-06, atol=0: 0.0 vs 1e-09 (1 of 2 elements differ)"
+    )
+    # compared in float64: in bfloat16 itself, atol=0.0078 would round up to the 0.0078125 between the two
+    one, next_up = torch.tensor([1.0], dtype=torch.bfloat16), torch.tensor([1.0078125], dtype=torch.bfloat16)
+    assert str(difference(one, next_up, atol=0.0078)) == (
+        "[0]: torch.bfloat16 tensors differ beyond rtol=0, atol=0.0078: 1.0 vs 1.0078125 (1 of 1 elements differ)"
+    )
+    assert difference(one, next_up, atol=0.0079) is None
