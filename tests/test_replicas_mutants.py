@@ -312,3 +312,18 @@ def test_differences_over_several_groups_give_every_rank_the_first_one() -> None
         "ranks [3]; largest absolute difference 3 at index (0,) (rank 0: 1, rank 3: 4)",
     ]
     assert dstest.run(_mesh_groups, 4) == [expected] * 4
+
+
+def _plain(ctx: RankContext) -> str | None:
+    return _caught({"t": torch.tensor([float(ctx.rank)])})
+
+
+def test_a_body_that_never_loaded_dtensor_is_checked_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """assert_replicas does not import DTensor for a body that has none (G4's checks stay cheap): as in a process
+    that never loaded ``torch.distributed.tensor`` (None in sys.modules: importing it would raise)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch.distributed.tensor", None)
+    results = dstest.run(_plain, 2)
+    assert results[0] == results[1] and results[0] is not None
+    assert results[0].startswith(HEAD + "tensor 't' (float32[1]) differs bit for bit")
