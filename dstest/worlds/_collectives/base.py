@@ -16,6 +16,7 @@ import torch
 from dstest.errors import InvalidArgument
 from dstest.worlds.core.matching import describe_tensor
 from dstest.worlds.core.matching import signature as _sig
+from dstest.worlds.torch_internals import raw_writes as _compat  # the module: the package imports this one
 
 __all__ = [
     "IN_PLACE_BYTES",
@@ -42,7 +43,7 @@ def raw_writes() -> Any:
     and a tensor saved for backward is not marked as changed. Every copy of a collective's data in the
     threaded world runs in this context; where gloo's C++ does copy through torch's dispatcher, the
     version change that copy makes is applied afterwards (:meth:`Call.bump_versions`)."""
-    return torch._C._AutoDispatchBelowADInplaceOrView()
+    return _compat.below_autograd()
 
 
 def bump_versions(tensors: Sequence[torch.Tensor], times: int, *, apart: bool = False) -> None:
@@ -54,10 +55,10 @@ def bump_versions(tensors: Sequence[torch.Tensor], times: int, *, apart: bool = 
         return
     ts = [t for t in tensors if not t.is_inference()]
     if apart:
-        torch._C._autograd._unsafe_set_version_counter(tuple(ts), tuple(t._version + times for t in ts))
+        _compat.set_version_counters(tuple(ts), tuple(t._version + times for t in ts))
         return
     for t in ts:
-        torch._C._autograd._unsafe_set_version_counter((t,), (t._version + times,))
+        _compat.set_version_counters((t,), (t._version + times,))
 
 
 def copy_tensors(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
@@ -65,7 +66,7 @@ def copy_tensors(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> 
     srcs = [s if s.shape == d.shape else s.reshape(d.shape) for d, s in zip(dsts, srcs)]  # flat buffers
     if len(dsts) > 8:
         try:
-            torch._foreach_copy_(list(dsts), srcs)
+            _compat.foreach_copy(list(dsts), srcs)
             return
         except (RuntimeError, TypeError):
             pass  # mixed devices or dtypes it does not take: one copy at a time (raises what copy_ raises)

@@ -56,6 +56,7 @@ from dstest.worlds.torch_internals.process_groups import (
 )
 from dstest.worlds.torch_internals.rank_hooks import hold_late_imports
 from dstest.worlds.torch_internals.rank_rng import current_generator, rank_generator
+from dstest.worlds.torch_internals.raw_writes import below_autograd, foreach_copy, set_version_counters
 from dstest.worlds.torch_internals.threads import create_thread_caches, release_thread_caches
 
 __all__ = [
@@ -65,12 +66,14 @@ __all__ = [
     "WorkBase",
     "adopt_rank_state",
     "backend_registered",
+    "below_autograd",
     "c10d_state",
     "create_thread_caches",
     "current_generator",
     "current_rank_state",
     "declare_self_recording",
     "drop_subgroups",
+    "foreach_copy",
     "global_backed_fields",
     "gloo_has_list_all_to_all",
     "hash_store",
@@ -81,6 +84,7 @@ __all__ = [
     "rank_generator",
     "reduce_op_name",
     "release_thread_caches",
+    "set_version_counters",
     "thread_local_c10d_world",
     "thread_local_c10d_world_ensure",
     "unisolated_world_fields",
