@@ -411,9 +411,9 @@ def test_float_arrays_within_the_tolerances_are_equal_and_beyond_them_named() ->
 
 def _long_double(values: list[complex], dtype: Any, fill: int) -> Any:
     """An array of ``dtype`` with ``values`` whose padding bytes (x87's 10 bytes of value in 16) hold ``fill``."""
-    out = np.empty(len(values), dtype=dtype)
-    out.view(np.uint8)[:] = fill
-    out[:] = values
+    out = np.array(values, dtype=dtype)
+    parts = out.view(np.uint8).reshape(-1, 16)  # a part (a value, or a real or imaginary part) a row
+    parts[:, 10:] = fill
     return out
 
 
@@ -427,6 +427,8 @@ def test_long_doubles_are_compared_by_value_whatever_their_padding() -> None:
         assert found is not None and found.path == "[1]" and "(1 of 2 elements differ)" in found.why
         found = difference(_long_double([3, 2], dtype, 0), _long_double([1, 2], dtype, 0))
         assert found is not None and found.path == "[0]"
+        found = difference(_long_double([1, np.nan], dtype, 0), _long_double([1, 1], dtype, 0))
+        assert found is not None and found.path == "[1]"  # a NaN on one side only
     a = _long_double([1 + 2j, 3 + 4j], np.clongdouble, 0)
     assert str(difference(a, _long_double([1 + 2j, 5 + 4j], np.clongdouble, 0xFF))).startswith(
         "[1]: complex256 arrays differ: np.clongdouble('3+4j') vs np.clongdouble('5+4j') (1 of 2"
