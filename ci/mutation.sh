@@ -33,9 +33,11 @@ tests_for() {  # the fast tests that exercise one checker's module directly
   case "$1" in
     dstest/worlds/core/matching.py | dstest/worlds/core/c10d.py)
       echo tests/test_checker_properties_matching.py tests/test_core_mutants.py tests/test_core.py ;;
-    dstest/replicas.py) echo tests/test_checker_properties_replicas.py tests/test_replicas.py ;;
-    dstest/crosscheck.py) echo tests/test_checker_properties_crosscheck.py tests/test_crosscheck.py ;;
-    dstest/worlds/core/faults.py) echo tests/test_checker_properties_faults.py tests/test_faults.py ;;
+    dstest/replicas.py) echo tests/test_checker_properties_replicas.py tests/test_replicas.py tests/test_replicas_mutants.py ;;
+    dstest/crosscheck.py)
+      echo tests/test_checker_properties_crosscheck.py tests/test_crosscheck.py tests/test_crosscheck_mutants.py ;;
+    dstest/worlds/core/faults.py)
+      echo tests/test_checker_properties_faults.py tests/test_faults.py tests/test_faults_mutants.py ;;
     dstest/worlds/process/state_watch.py) echo tests/test_checker_properties_state_watch.py tests/test_state_watch.py ;;
   esac
 }
