@@ -327,3 +327,53 @@ def test_a_body_that_never_loaded_dtensor_is_checked_without_it(monkeypatch: pyt
     results = dstest.run(_plain, 2)
     assert results[0] == results[1] and results[0] is not None
     assert results[0].startswith(HEAD + "tensor 't' (float32[1]) differs bit for bit")
+
+
+def _refused(*args: Any, **kwargs: Any) -> str:
+    with pytest.raises(InvalidArgument) as info:
+        dstest.assert_replicas(*args, **kwargs)
+    return str(info.value)
+
+
+def _bad_arguments(ctx: RankContext) -> list[str | None]:
+    """Each refusal in full, every rank alone (nothing was sent), then a module's own check: named by its class."""
+    import torch.nn as nn
+
+    t = torch.zeros(2)
+    alone = dist.new_group([1])  # rank 0 is not a member
+    out: list[str | None] = [
+        _refused([t], group=alone) if ctx.rank == 0 else None,
+        _refused([t], group=3),
+        _refused("model"),
+        _refused({"a": t, "b": 3}),
+        _refused({"a": t.to_sparse()}),
+        _refused([torch.empty(2, device="meta")]),
+    ]
+    model = nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        model.bias.fill_(float(ctx.rank))
+    out.append(_caught(model))
+    return out
+
+
+def test_bad_arguments_are_refused_in_full_and_a_module_is_named_by_its_class() -> None:
+    dense = "it compares dense (strided) tensors with data (for a sparse one, pass its .to_dense(); meta tensors hold no values)"
+    common = [
+        "group=3: must be a torch.distributed ProcessGroup (or None for the world), got int",
+        "assert_replicas got a str: it compares an nn.Module (its parameters and buffers), a tensor, or a dict or list "
+        "of tensors",
+        "assert_replicas: tensor 'b' is a int, not a tensor; a dict or list passed to assert_replicas holds tensors only",
+        f"assert_replicas: tensor 'a' is a torch.sparse_coo tensor on cpu; {dense}",
+        f"assert_replicas: tensor [0] is a torch.strided tensor on meta; {dense}",
+        "replicas of Linear diverge over ranks [0, 1]: parameter 'bias' (float32[1]) differs bit for bit: ranks [0] vs "
+        "ranks [1]; largest absolute difference 1 at index (0,) (rank 0: 0, rank 1: 1)",
+    ]
+    not_member = (
+        "group=-100: rank 0 is not a member (dist.new_group gives non-members GroupMember.NON_GROUP_MEMBER); only the "
+        "ranks of the group call assert_replicas (a collective over it)"
+    )
+    assert dstest.run(_bad_arguments, 2) == [[not_member, *common], [None, *common]]
+    assert _refused([torch.zeros(1)]) == (
+        "assert_replicas: torch.distributed is not initialized; call it inside a rank body"
+    )
