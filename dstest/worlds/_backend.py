@@ -265,7 +265,7 @@ class Group(dist.ProcessGroup):
 
     def get_group_store(self) -> Any:
         """The world's rendezvous store under this group's name (what torch records for a split group)."""
-        return torch._C._distributed_c10d.PrefixStore(f"{self._name}/", self.session.store)
+        return _compat.prefix_store(f"{self._name}/", self.session.store)
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -345,7 +345,7 @@ class Group(dist.ProcessGroup):
             peer = args[method.params[1]]
             return Work(g.session.post_p2p(g, method.name, t, int(peer), int(args["tag"])))
         if args["opts"] is None:
-            args["opts"] = getattr(torch._C._distributed_c10d, method.options)()
+            args["opts"] = _compat.c10d_options(method.options)
         if method.kind == "coalesced":
             # Coalesced forms run as consecutive collectives on the group, in list order, on every rank.
             part = getattr(g, method.part)

@@ -28,9 +28,9 @@ One run at world size N of a launch of W ranks:
 The store is used only through short calls (set, get, add, check) polled from the rank's own thread, and
 the run's process group gets its own connection to it, so a group forming never delays the watching.
 
-torch-internal: none beyond the public ``torch.distributed`` API (``rendezvous``, ``TCPStore``,
-``PrefixStore``, ``init_process_group``, ``destroy_process_group``), and, for NCCL, the private
-``distributed_c10d._abort_process_group`` (torch 2.11-2.14) to unblock a hung NCCL group.
+torch-internal (through :mod:`dstest.worlds.torch_internals`): the store classes (``TCPStore``,
+``PrefixStore``) and, for NCCL, ``abort_process_group`` to unblock a hung NCCL group; otherwise the public
+``torch.distributed`` API (``rendezvous``, ``init_process_group``, ``destroy_process_group``).
 """
 
 from __future__ import annotations
@@ -247,8 +247,9 @@ def connect(timeout: float = CONNECT_TIMEOUT_S) -> Launch:
         import datetime
 
         import torch
-        from torch._C._distributed_c10d import TCPStore  # where the store classes live (and are typed)
         from torch.distributed.rendezvous import rendezvous
+
+        from dstest.worlds.torch_internals import tcp_client_store
 
         backend = backend_name(env.local_world_size)
         if backend == "nccl":
@@ -260,7 +261,7 @@ def connect(timeout: float = CONNECT_TIMEOUT_S) -> Launch:
         # env:// makes rank 0 host the store unless the torch elastic agent already does; the second
         # connection is a plain client of whichever it is.
         store, _, _ = next(rendezvous("env://", rank=env.rank, world_size=env.world_size, timeout=wait))
-        pg_store = TCPStore(env.master_addr, env.master_port, is_master=False, timeout=wait)
+        pg_store = tcp_client_store(env.master_addr, env.master_port, wait)
         launch = Launch(
             env=env, backend=backend, store=store, pg_store=pg_store, device=device, prefix=f"dstest/{env.tag}/"
         )
@@ -394,9 +395,9 @@ class _Run:
 
         launch, rank = self.launch, self.launch.rank
         try:
-            from torch._C._distributed_c10d import PrefixStore
+            from dstest.worlds.torch_internals import prefix_store
 
-            store = PrefixStore(self.key + "pg/", launch.pg_store)
+            store = prefix_store(self.key + "pg/", launch.pg_store)
             dist.init_process_group(
                 launch.backend,
                 store=store,
@@ -408,7 +409,9 @@ class _Run:
                 device_id=launch.device if launch.backend == "nccl" else None,
             )
             self.formed = True
-            ctx = RankContext(rank=rank, world_size=self.world_size, world="launched", device=launch.device, seed=self.seed)
+            ctx = RankContext(
+                rank=rank, world_size=self.world_size, world="launched", device=launch.device, seed=self.seed
+            )
             # A process owns its global RNGs: seed them as the process world does (E5).
             torch.manual_seed(rank_seed(self.seed, rank))
             random.seed(rank_seed(self.seed, rank))
@@ -460,10 +463,10 @@ class _Run:
         """Make the run's pending NCCL calls return (gloo calls fail when a peer's group closes)."""
         if self.launch.backend != "nccl" or not self.formed:
             return
-        from torch.distributed import distributed_c10d as c10d
+        from dstest.worlds.torch_internals import abort_process_group
 
         with contextlib.suppress(Exception):
-            c10d._abort_process_group()
+            abort_process_group()
 
     def _teardown(self, thread: threading.Thread) -> None:
         """Destroy the run's groups; a body still running is interrupted and its group abandoned."""

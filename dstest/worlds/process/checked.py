@@ -5,13 +5,12 @@ The group class itself (``CheckedGroup``, made from the checking core's c10d tab
 :mod:`dstest.worlds.process.checked_group`, which imports torch; this module imports it only when the class
 is first needed, in a worker.
 
-torch-internal: registers a backend on the C++ group and wraps
-``distributed_c10d._new_process_group_helper`` (see :func:`_install_checking`).
+torch-internal (through :func:`dstest.worlds.torch_internals.install_checked_gloo`): registers a backend on
+the C++ group and wraps ``distributed_c10d._new_process_group_helper`` (see :func:`_install_checking`).
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 from dstest.worlds.process.checker import _Checker
@@ -31,35 +30,16 @@ def _install_checking(checker: _Checker) -> None:
     group's backend name, so that ``dist.get_backend()`` and code that branches on it see gloo.
     """
     global _CHECKER
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
+    from dstest.worlds.torch_internals import install_checked_gloo
 
     _CHECKER = checker
-    dist.Backend.register_backend(_CHECKED_BACKEND, _create_checked_group, extended_api=True, devices=["cpu"])
-    original = c10d._new_process_group_helper
-    gloo_config = str(c10d.BackendConfig(dist.Backend("gloo")))
-
-    def helper(
-        group_size: int, group_rank: int, global_ranks: list[int], backend: Any, *args: Any, **kwargs: Any
-    ) -> Any:
-        if str(backend) == "gloo":
-            backend = _CHECKED_BACKEND
-        pg, store = original(group_size, group_rank, global_ranks, backend, *args, **kwargs)
-        if isinstance(pg, _checked_group_class()):  # our group: still named gloo to torch and to the code
-            c10d._world.pg_map[pg] = ("gloo", c10d._world.pg_map[pg][1])  # type: ignore[index]
-            c10d._world.pg_backend_config[pg] = gloo_config  # type: ignore[index]
-        return pg, store
-
-    helper.unchecked = original  # type: ignore[attr-defined]  # benchmarks build plain gloo groups with it
-    c10d._new_process_group_helper = helper  # type: ignore[assignment]
+    install_checked_gloo(_CHECKED_BACKEND, _create_checked_group, lambda pg: isinstance(pg, _checked_group_class()))
 
 
 def _create_checked_group(opts: Any, pg_options: Any) -> Any:
-    from torch._C import _distributed_c10d as c10d_c
+    from dstest.worlds.torch_internals import gloo_group
 
-    inner = c10d_c.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
-    with contextlib.suppress(Exception):
-        inner._set_sequence_number_for_group()  # as torch does for its own gloo groups
+    inner = gloo_group(opts.store, opts.group_rank, opts.group_size, opts.timeout, numbered=True)  # as torch's own
     assert _CHECKER is not None
     members = tuple(opts.global_ranks_in_group) or tuple(range(opts.group_size))
     return _checked_group_class()(inner, opts.group_rank, opts.group_size, members, str(opts.group_id), _CHECKER)

@@ -1,8 +1,9 @@
 """The checked gloo group of the process world (``CheckedGroup``) and its work handles.
 
-torch-internal: subclasses ``dist._Work`` and ``dist.ProcessGroup`` and registers gloo as the group's C++
-backend. This module imports torch, so :mod:`dstest.worlds.process.checked` imports it only when the class
-is first needed, in a worker (the parent never does).
+torch-internal (through :mod:`dstest.worlds.torch_internals`): subclasses torch's work handle base
+(``WorkBase``) and ``dist.ProcessGroup`` and registers gloo as the group's C++ backend. This module imports
+torch, so :mod:`dstest.worlds.process.checked` imports it only when the class is first needed, in a worker (the
+parent never does).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C import _distributed_c10d as c10d_c
 
 from dstest.errors import InvalidArgument
 from dstest.worlds import _collectives as C
@@ -26,7 +26,7 @@ from dstest.worlds.process.messages import _Dev, _Meta
 __all__ = ["CheckedGroup", "CheckedWork", "DoneWork"]
 
 
-class CheckedWork(dist._Work):  # type: ignore[misc, name-defined]
+class CheckedWork(_compat.WorkBase):  # type: ignore[misc]
     """The handle of a checked call: waits for the verdict, then for the gloo work issued on it."""
 
     def __init__(self, checker: _Checker, rec: _Record) -> None:
@@ -109,7 +109,7 @@ class CheckedWork(dist._Work):  # type: ignore[misc, name-defined]
         return handed_out
 
 
-class DoneWork(dist._Work):  # type: ignore[misc, name-defined]
+class DoneWork(_compat.WorkBase):  # type: ignore[misc]
     """Already complete: the coalesced forms, which wait for their parts before returning."""
 
     def __init__(self, tensors: list[Any]) -> None:
@@ -200,8 +200,8 @@ class CheckedGroup(dist.ProcessGroup):
         self.label = matching.group_label(gid, members, checker.world_size)
         # C++ code that asks the group for its gloo backend by type (DDP's logger does) finds it; the
         # collectives it issues still come through the methods below (torch calls them virtually).
-        self._register_backend(torch.device("cpu"), c10d_c.ProcessGroup.BackendType.GLOO, inner)
-        self._set_default_backend(c10d_c.ProcessGroup.BackendType.GLOO)
+        self._register_backend(torch.device("cpu"), _compat.gloo_backend_type(), inner)
+        self._set_default_backend(_compat.gloo_backend_type())
 
     # -- what torch asks of a group ------------------------------------------------------------------
     def getGroupName(self) -> str:
@@ -257,21 +257,19 @@ class CheckedGroup(dist.ProcessGroup):
         the parent's store under the new group's name, as gloo's own split does."""
         from datetime import timedelta
 
-        from torch.distributed import distributed_c10d
-
         if self.rank_ not in ranks:
             return None
         if group_name is None:
             raise InvalidArgument("split_group needs the new group's name (torch's dist.split_group gives one)")
-        store = distributed_c10d._world.pg_map[self][1]
+        store = _compat.c10d_state().pg_map[self][1]
         rank, size = ranks.index(self.rank_), len(ranks)
-        inner = c10d_c.ProcessGroupGloo(
-            c10d_c.PrefixStore(f"{group_name}/", store), rank, size, timeout or timedelta(minutes=30)
+        inner = _compat.gloo_group(
+            _compat.prefix_store(f"{group_name}/", store), rank, size, timeout or timedelta(minutes=30)
         )
         members = tuple(self.members[r] for r in ranks)
         group = CheckedGroup(inner, rank, size, members, group_name, self.checker)
         group._group_name, group._group_desc = group_name, group_desc or ""
-        group._split_store = c10d_c.PrefixStore(f"{group_name}/", store)
+        group._split_store = _compat.prefix_store(f"{group_name}/", store)
         return group
 
     def get_group_store(self) -> Any:
@@ -326,7 +324,7 @@ class CheckedGroup(dist.ProcessGroup):
     def _c10d(self, method: c10d.Method, args: dict[str, Any]) -> Any:
         """One c10d method (``method``, with its arguments by name): checked, then issued to gloo as called."""
         if method.options and args["opts"] is None:
-            args["opts"] = getattr(c10d_c, method.options)()
+            args["opts"] = _compat.c10d_options(method.options)
 
         issue = _as_caller(lambda: getattr(self.inner, method.name)(*[args[p] for p in method.params]))
 

@@ -113,7 +113,7 @@ def _form_group(cfg: _WorkerConfig, check_conn: Connection) -> tuple[Any, _Check
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    from torch._C import _distributed_c10d as c10d_store  # where the store classes live (and are typed)
+    from dstest.worlds.torch_internals import file_store
 
     checker = None
     if key.backend == "gloo":
@@ -121,7 +121,7 @@ def _form_group(cfg: _WorkerConfig, check_conn: Connection) -> tuple[Any, _Check
         _install_checking(checker)
     dist.init_process_group(
         key.backend,
-        store=c10d_store.FileStore(cfg.store_path, key.world_size),
+        store=file_store(cfg.store_path, key.world_size),
         rank=cfg.rank,
         world_size=key.world_size,
         timeout=datetime.timedelta(seconds=_BACKEND_TIMEOUT_S),
@@ -342,9 +342,10 @@ class _Server:
         destroyed its end of a group at once could cut off a slower peer still connecting to it.
         """
         import torch.distributed as dist
-        from torch.distributed import distributed_c10d as c10d
 
-        for pg in list(c10d._world.pg_map):
+        from dstest.worlds.torch_internals import c10d_state
+
+        for pg in list(c10d_state().pg_map):
             if pg is not self.fresh.default_pg:
                 try:
                     dist.destroy_process_group(pg)
@@ -357,9 +358,10 @@ class _Server:
         """Put the world's store and group count back; say why this worker is unusable, if it is. The run's
         groups stay until the next run begins (see _begin_run)."""
         import torch.distributed as dist
-        from torch.distributed import distributed_c10d as c10d
 
-        if not dist.is_initialized() or c10d._get_default_group() is not self.fresh.default_pg:
+        from dstest.worlds.torch_internals import default_group
+
+        if not dist.is_initialized() or default_group() is not self.fresh.default_pg:
             return "the run destroyed or replaced the default process group"
         self.fresh.end()
         if _REPLACE_AFTER_RUN and self.unusable is None:

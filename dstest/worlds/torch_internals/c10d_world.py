@@ -24,9 +24,11 @@ __all__ = [
     "FreshRunState",
     "RankState",
     "ThreadLocalWorld",
+    "abort_process_group",
     "adopt_rank_state",
     "c10d_state",
     "current_rank_state",
+    "default_group",
     "drop_subgroups",
     "global_backed_fields",
     "new_rank_state",
@@ -315,3 +317,15 @@ class FreshRunState:
 def c10d_state() -> Any:
     """The calling rank thread's c10d state (``distributed_c10d._world``, thread-local in a world)."""
     return c10d._world
+
+
+def default_group() -> Any:
+    """The calling rank's default process group: ``distributed_c10d._get_default_group()`` (torch 2.11-2.15;
+    raises when none is formed)."""
+    return c10d._get_default_group()
+
+
+def abort_process_group() -> None:
+    """Abort the default group's communicators: ``distributed_c10d._abort_process_group()`` (torch 2.11-2.15),
+    which makes a hung NCCL call return (a blocked gloo call fails once a peer's group closes, NCCL's waits)."""
+    c10d._abort_process_group()
