@@ -72,10 +72,9 @@ def reset_deepspeed() -> None:
         inserter = getattr(zero, "InsertPostInitMethodToModuleSubClasses", None)
         if inserter is not None and "linear_bk" in vars(inserter):
             delattr(inserter, "linear_bk")
-        import torch
+        from dstest.worlds.torch_internals import put_back_functional_linear
 
-        if torch.nn.functional.linear is not torch._C._nn.linear:
-            torch.nn.functional.linear = torch._C._nn.linear
+        put_back_functional_linear()
     checkpointing: Any = sys.modules.get("deepspeed.runtime.activation_checkpointing.checkpointing")
     if checkpointing is not None:
         for name, value in _CHECKPOINTING_DEFAULTS.items():

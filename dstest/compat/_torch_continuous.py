@@ -97,12 +97,11 @@ class _ClassRun:
         return self.answers[rank]
 
     def _run(self, test_id: str) -> list[Any]:
-        from torch.testing._internal import common_distributed as cd
-
         from dstest.errors import RankFailure, WorldAborted, WorldTimeout
         from dstest.worlds.process import ProcessWorld
         from dstest.worlds.process.byref import module_ref
         from dstest.worlds.request import RunRequest
+        from dstest.worlds.torch_internals import bases_timeout
 
         self.count += 1
         self.state.warm_runs += 1
@@ -122,7 +121,7 @@ class _ClassRun:
             run_continuous,
             self.world_size,
             args=args,
-            timeout=float(cd.get_timeout(test_id)),
+            timeout=bases_timeout(test_id),
             strict_shapes=self.state.strict_shapes,
             watch_modules=("torch.distributed",),
         )
@@ -206,9 +205,9 @@ def adapt_continuous_base(state: TorchState, base: type) -> None:
 
 
 def _skip_message(code: Any) -> str | None:
-    from torch.testing._internal.common_distributed import TEST_SKIPS
+    from dstest.worlds.torch_internals import bases_skip_message
 
-    return next((s.message for s in TEST_SKIPS.values() if s.exit_code == code), None)
+    return bases_skip_message(code)
 
 
 def run_continuous(

@@ -185,13 +185,12 @@ def restore_bases(state: TorchState) -> None:
 def _run_warm(state: TorchState, test: Any, fn: Callable[..., Any], join: Callable[..., Any]) -> None:
     """Run the recorded ranks warm, then let the base's own join judge their exit codes."""
     __tracebackhide__ = True
-    from torch.testing._internal import common_distributed as cd
-
     from dstest.compat._torch_rank import plan_of, run_planned
     from dstest.errors import RankFailure, WorkerDied, WorldTimeout
     from dstest.worlds.process import ProcessWorld
     from dstest.worlds.process.byref import pool_pids, pool_token
     from dstest.worlds.request import RunRequest
+    from dstest.worlds.torch_internals import bases_timeout
 
     planned: list[_Planned] = list(test.processes)
     if not planned:  # the base started nothing (a skip before the start): upstream's join says so
@@ -202,7 +201,7 @@ def _run_warm(state: TorchState, test: Any, fn: Callable[..., Any], join: Callab
     world_size = len(plans)
     before = pool_token(world_size)
     state.warm_runs += 1
-    timeout = float(cd.get_timeout(test.id()))
+    timeout = bases_timeout(test.id())
     error_code = int(getattr(test, "TEST_ERROR_EXIT_CODE", 10))
     why = None
     try:

@@ -23,10 +23,7 @@ def reset_torch_testing() -> None:
     get_default_device = getattr(torch, "get_default_device", None)
     if get_default_device is not None and get_default_device() != torch.device("cpu"):
         torch.set_default_device(None)
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is not None:
-        dynamo.reset()
-    mesh = sys.modules.get("torch.distributed.device_mesh")
-    stack = getattr(getattr(mesh, "_mesh_resources", None), "mesh_stack", None)
-    if isinstance(stack, list):
-        stack.clear()
+    if "torch._dynamo" in sys.modules or "torch.distributed.device_mesh" in sys.modules:  # their leftovers
+        from dstest.worlds.torch_internals import reset_bases_leftovers
+
+        reset_bases_leftovers()

@@ -121,14 +121,13 @@ def _rank(ctx: Any, plan: _ThreadPlan, outcomes: dict[int, Any]) -> None:
 
 def _run_on_threaded_world(state: TorchState, plan: _ThreadPlan, fn: Callable[..., Any]) -> None:
     __tracebackhide__ = True
-    from torch.testing._internal import common_distributed as cd
-
     from dstest.errors import RankFailure, WorldAborted
     from dstest.worlds.request import RunRequest
     from dstest.worlds.threaded import ThreadedWorld
+    from dstest.worlds.torch_internals import bases_default_timeout
 
     state.threaded_runs += 1
-    timeout = float(getattr(cd, "TIMEOUT_DEFAULT", 300))
+    timeout = bases_default_timeout()
     outcomes: dict[int, Any] = {}
     failed: list[tuple[int, Any]] = []
     try:
