@@ -292,15 +292,21 @@ def _mesh_groups(ctx: RankContext) -> list[str | None]:
     over two groups (mesh dim 0's [1, 3], dim 1's [2, 3]); every rank names the same, the first entry's. Then two
     tensors beyond a tolerance: the first is named."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     local = torch.zeros(2)
     if ctx.rank == 3:
         local[1] = 1.0
     w = DTensor.from_local(local, mesh, [Replicate(), Replicate()], run_check=False)
+    s = DTensor.from_local(local, mesh, [Shard(0), Replicate()], run_check=False)  # dim 1 compared, not dim 0
     r = ctx.rank
-    return [_caught({"w": w}), _caught({"a": torch.tensor([1.0 + r]), "b": torch.tensor([2.0 + r])}, atol=0.5)]
+    return [
+        _caught({"w": w}),
+        _caught({"a": torch.tensor([1.0 + r]), "b": torch.tensor([2.0 + r])}, atol=0.5),
+        _caught({"s": s}),
+        _caught({"s": s, "x": torch.zeros(1)} if r == 0 else {"s": s}),  # the mesh covers the group: no full tensor
+    ]
 
 
 def test_differences_over_several_groups_give_every_rank_the_first_one() -> None:
@@ -310,6 +316,10 @@ def test_differences_over_several_groups_give_every_rank_the_first_one() -> None
         "ranks [3]; largest absolute difference 1 at index (1,) (rank 1: 0, rank 3: 1)",
         head + "tensor 'a' (float32[1]) differs beyond rtol=0, atol=0.5: ranks [0] vs ranks [1] vs ranks [2] vs "
         "ranks [3]; largest absolute difference 3 at index (0,) (rank 0: 1, rank 3: 4)",
+        head + "tensor 's' (local, Replicate on mesh dim 1 'tp') (float32[2]) differs bit for bit: ranks [2] vs "
+        "ranks [3]; largest absolute difference 1 at index (1,) (rank 2: 0, rank 3: 1)",
+        head + "the ranks hold different tensors (rank 0 holds 2: tensor 's' (local, Replicate on mesh dim 1 'tp'), "
+        "tensor 'x'): ranks [1, 2, 3] lack tensor 'x'",
     ]
     assert dstest.run(_mesh_groups, 4) == [expected] * 4
 
