@@ -61,9 +61,18 @@ def bump_versions(tensors: Sequence[torch.Tensor], times: int, *, apart: bool = 
         _compat.set_version_counters((t,), (t._version + times,))
 
 
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the bytes the backends move: a bool tensor as uint8. torch's copies and clones of bools write
+    0 or 1 whatever the byte held; gloo and NCCL copy the byte, and sum bools as bytes (0x03 for three
+    Trues): copied as bytes, a bool result reaches every rank with gloo's bits."""
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
 def copy_tensors(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-    """``dst.copy_(src)`` for each pair; many small tensors in one call of torch's foreach copy."""
-    srcs = [s if s.shape == d.shape else s.reshape(d.shape) for d, s in zip(dsts, srcs)]  # flat buffers
+    """``dst.copy_(src)`` for each pair, as bytes (:func:`raw`); many small tensors in one call of torch's
+    foreach copy."""
+    dsts = [raw(d) for d in dsts]
+    srcs = [raw(s if s.shape == d.shape else s.reshape(d.shape)) for d, s in zip(dsts, srcs)]  # flat buffers
     if len(dsts) > 8:
         try:
             _compat.foreach_copy(list(dsts), srcs)
@@ -75,7 +84,12 @@ def copy_tensors(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> 
 
 
 def _sum_step(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    return out.logical_or_(t) if out.dtype == torch.bool else out.add_(t)
+    # gloo (and NCCL, as uint8) sums bools as bytes: three Trues give the byte 0x03, still True to torch but
+    # other bits, which a bit-for-bit comparison (crosscheck, replicas) sees; 256 of them wrap to 0.
+    if out.dtype == torch.bool:
+        out.view(torch.uint8).add_(t.view(torch.uint8))
+        return out
+    return out.add_(t)
 
 
 def _product_step(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -153,7 +167,8 @@ def reduce_tensors(op: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Reduce same-shaped tensors, in rank order, with a c10d reduce op name ('sum', 'avg', 'min', ...)."""
     check_reduce(op, tensors[0].dtype)
     first = tensors[0]
-    return reduce_into(op, (first.detach() if first.requires_grad else first).clone(), tensors[1:], len(tensors))
+    first = first.detach() if first.requires_grad else first
+    return reduce_into(op, raw(first).clone().view(first.dtype), tensors[1:], len(tensors))
 
 
 def flat_view(t: torch.Tensor) -> torch.Tensor:
@@ -282,10 +297,15 @@ def _shapes(ts: Sequence[torch.Tensor]) -> str:
     return "[" + ", ".join(describe_tensor(t) for t in ts) + "]"
 
 
-def copy_flat(dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy_flat(dst: torch.Tensor, src: torch.Tensor, *, as_bytes: bool = True) -> None:
     """``dst.copy_(src)`` for tensors with the same number of elements, whatever their shapes (a flat buffer,
-    as gloo and NCCL move it)."""
-    dst.copy_(src if src.shape == dst.shape else src.reshape(dst.shape))
+    as gloo and NCCL move it); as bytes (:func:`raw`) unless ``as_bytes`` is False (a bool written as 0 or 1,
+    where gloo's own copy goes through torch)."""
+    src = src if src.shape == dst.shape else src.reshape(dst.shape)
+    if as_bytes:
+        raw(dst).copy_(raw(src))
+    else:
+        dst.copy_(src)
 
 
 def _check_root(call: Call) -> None:

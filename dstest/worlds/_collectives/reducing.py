@@ -66,7 +66,7 @@ class AllReduce(Call):
         check_reduce(self.reduce_op, first.dtype)
         result = reduce_into(self.reduce_op, first, ts[1:], len(ts))
         if result is not first:
-            first.copy_(result)
+            copy_flat(first, result)
         for t in ts[1:]:
             copy_flat(t, first)
         return {}
@@ -203,12 +203,14 @@ class ReduceScatterTensor(_SingleTensorCall):
         return [flat[j * n : (j + 1) * n] for j in range(len(calls))]
 
     def finish(self, source: Any) -> None:
-        copy_flat(self.out, source)
+        # gloo's reduce_scatter_tensor copies its result into the output through torch: a bool sum arrives
+        # as 0 or 1, where all_reduce, reduce and the list reduce_scatter leave the summed bytes
+        copy_flat(self.out, source, as_bytes=False)
 
     def deliver(self, calls: Sequence[Call]) -> dict[int, BaseException]:
         outs: list[torch.Tensor] = [c.out for c in calls]  # type: ignore[attr-defined]
         inps: list[torch.Tensor] = [c.inp for c in calls]  # type: ignore[attr-defined]
-        if self.reduce_op == "premul_sum" or not (
+        if self.reduce_op == "premul_sum" or self.out.dtype == torch.bool or not (
             _large(self.out) and all(o.is_contiguous() for o in outs) and _outputs_apart(outs, inps)
         ):
             return super().deliver(calls)
@@ -218,8 +220,8 @@ class ReduceScatterTensor(_SingleTensorCall):
         flats = [i.detach().reshape(-1) for i in inps]
         for j, out in enumerate(outs):  # rank j's chunk of every input, folded in rank order into its output
             o = out.view(-1)
-            o.copy_(flats[0][j * n : (j + 1) * n])
+            copy_flat(o, flats[0][j * n : (j + 1) * n])
             result = reduce_into(self.reduce_op, o, [f[j * n : (j + 1) * n] for f in flats[1:]], len(flats))
             if result is not o:
-                o.copy_(result)
+                copy_flat(o, result)
         return {}
