@@ -173,3 +173,22 @@ def catches_warnings(ctx):
 def test_the_standard_librarys_bookkeeping_is_not_a_patch():
     assert dstest.run(catches_warnings, 2) == [2.0, 2.0]
     assert thread_shared_in_last_run() == []
+
+
+def imports_a_module_that_rebinds_at_import(ctx):
+    if ctx.rank == 0:  # a module's top-level code, as an import runs it, rebinding another module's attribute
+        module = types.ModuleType("dstest_test_rebinds_at_import")
+        code = "import sys\nlib = sys.modules['dstest_test_patched_lib']\nlib.reduce = lambda t: t\n"
+        exec(compile(code, "<import>", "exec"), module.__dict__)
+    dist.barrier()
+    return ctx.rank
+
+
+def test_a_modules_import_time_code_is_not_a_ranks_patch():
+    """torch._dynamo wraps torch.manual_seed at import: imported first on a rank thread it looked like a patch."""
+    saved = LIB.reduce
+    try:
+        assert dstest.run(imports_a_module_that_rebinds_at_import, 2) == [0, 1]
+        assert thread_shared_in_last_run() == []
+    finally:
+        LIB.reduce = saved  # type: ignore[attr-defined]

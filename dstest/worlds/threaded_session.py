@@ -202,6 +202,8 @@ def _note_write(module: types.ModuleType, name: str, value: Any) -> None:
         return  # an import binding the submodule it loaded
     if module.__name__.partition(".")[0] in sys.stdlib_module_names:
         return  # the interpreter's bookkeeping (warnings.catch_warnings restores warnings.filters), not the code under test
+    if sys._getframe(2).f_code.co_name == "<module>":
+        return  # a module's import-time code (torch._dynamo wraps torch.manual_seed when first imported): as in a process
     session.note_module_write(module.__name__, name, binding.rank)
 
 
