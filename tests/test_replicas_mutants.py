@@ -208,8 +208,8 @@ def _checked_after_a_step(ctx: RankContext) -> list[str | None]:
     out: list[str | None] = []
     model = nn.Linear(2, 1)
     with torch.no_grad():
-        model.weight.fill_(1.0 + (1e-3 if ctx.rank == 1 else 0.0))
-        model.bias.fill_(float(ctx.rank // 2))
+        model.weight.fill_(1.0 + (1e-3 if ctx.rank == 1 else 0.0))  # within any default tolerance but 0
+        model.bias.fill_(0.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     try:
         with ctx.replicas_checked(model):
@@ -219,6 +219,7 @@ def _checked_after_a_step(ctx: RankContext) -> list[str | None]:
         out.append(str(exc).split(":")[0])
     with torch.no_grad():
         model.weight.fill_(1.0)
+        model.bias.fill_(float(ctx.rank // 2))
     with ctx.replicas_checked(model, group=pairs[ctx.rank // 2]):
         opt.step()  # raises if the check is made over the world
     with pytest.raises(InvalidArgument) as info:
