@@ -204,6 +204,8 @@ def _checked_after_a_step(ctx: RankContext) -> list[str | None]:
     pairs of ranks, equal within a pair, not across: passes), and a bad group refused when it is called."""
     import torch.nn as nn
 
+    from dstest.replicas import replicas_checked
+
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     out: list[str | None] = []
     model = nn.Linear(2, 1)
@@ -212,7 +214,7 @@ def _checked_after_a_step(ctx: RankContext) -> list[str | None]:
         model.bias.fill_(0.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     try:
-        with ctx.replicas_checked(model):
+        with replicas_checked(model):  # the module's own function: ctx's passes its own defaults
             opt.step()
         out.append(None)
     except ReplicasDiverge as exc:
