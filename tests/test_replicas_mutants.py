@@ -390,3 +390,34 @@ def test_bad_arguments_are_refused_in_full_and_a_module_is_named_by_its_class() 
     assert _refused([torch.zeros(1)]) == (
         "assert_replicas: torch.distributed is not initialized; call it inside a rank body"
     )
+
+
+class _Alike:
+    """A dict key that prints as the string 'a' does: a name assert_replicas cannot tell from 'a'."""
+
+    def __repr__(self) -> str:
+        return "'a'"
+
+
+def _structures(ctx: RankContext) -> list[str | None]:
+    """A list (named "tensors"), two kinds of structure change at once, and two names a rank cannot tell apart."""
+    r, t = ctx.rank, torch.zeros(1)
+    out = [_caught([torch.tensor([float(r)])])]
+    out.append(_caught({"a": t, "b": t} if r == 0 else ({"a": t} if r == 1 else {"a": t, "b": t, "c": t})))
+    with pytest.raises(InvalidArgument) as info:
+        dstest.assert_replicas({"a": t} if r == 0 else {"a": t, _Alike(): t})
+    out.append(str(info.value))
+    return out
+
+
+def test_lists_two_structure_changes_and_names_alike_are_named_in_full() -> None:
+    head = "replicas of tensors diverge over ranks [0, 1, 2]: "
+    expected = [
+        head + "tensor [0] (float32[1]) differs bit for bit: ranks [0] vs ranks [1] vs ranks [2]; largest absolute "
+        "difference 2 at index (0,) (rank 0: 0, rank 2: 2)",
+        head + "the ranks hold different tensors (rank 0 holds 2: tensor 'a', tensor 'b'): ranks [1] lack tensor 'b'; "
+        "ranks [2] hold tensor 'c' extra",
+        "assert_replicas: rank 1 holds two tensors named tensor 'a' (dict keys whose repr() is the same); replicas are "
+        "matched by name across ranks: give them names that differ",
+    ]
+    assert dstest.run(_structures, 3) == [expected] * 3
