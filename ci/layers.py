@@ -28,7 +28,11 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "errors, the registry of target and world names, argument checks, the torch-free matching core",
         ("dstest.errors", "dstest.registry", "dstest.resets", "dstest.worlds.protocol", "dstest.worlds.core"),
     ),
-    ("trace", "the records of every collective of a run", ("dstest.trace",)),
+    (
+        "trace",
+        "the records of every collective of a run, and how two runs' results and traces are compared",
+        ("dstest.trace", "dstest.compare"),
+    ),
     (
         "rank",
         "what a rank body sees: its context, group and shard helpers, replica checks, the target adapter interface",

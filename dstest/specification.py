@@ -112,6 +112,7 @@ class Settings:
     async_hazards: bool = False
     strict_shapes: bool = False
     judge_on_processes: bool = True
+    crosscheck: int = 0  # percent of the threaded cases also run on the process world and compared
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout)
@@ -119,6 +120,8 @@ class Settings:
         check_seed(self.seed)
         check_async_hazards(self.async_hazards)
         check_strict_shapes(self.strict_shapes)
+        if not isinstance(self.crosscheck, int) or isinstance(self.crosscheck, bool) or not 0 <= self.crosscheck <= 100:
+            raise InvalidArgument(f"crosscheck={self.crosscheck!r}: give a percent of the threaded cases, 0 to 100")
         if not isinstance(self.judge_on_processes, bool):
             raise InvalidArgument(f"judge_on_processes={self.judge_on_processes!r}: give True or False")
 
@@ -535,7 +538,6 @@ def run_spec(
     ``instance`` is the test-class instance of a spec method (``self``). A skip is reported at the spec
     body's line, not here.
     """
-    import pytest
 
     from dstest.worlds import get_world
 
@@ -564,16 +566,12 @@ def run_spec(
         )
 
     judge = settings.judge_on_processes and case.world == "threaded"
+    if case.world == "threaded" and sampled(settings.crosscheck, f"{info.name}[{case.id}]"):
+        return _crosschecked(info, case, world, request_for, judge)
     try:
         results = world.run(request_for(case.world))
     except RankFailure as failure:
-        from dstest.errors import WorldAborted
-
-        primary = {r: e for r, e in failure.exceptions.items() if not isinstance(e, WorldAborted)}
-        skipped = {r: e for r, e in primary.items() if isinstance(e, pytest.skip.Exception)}
-        if skipped and len(skipped) == len(primary):
-            rank, first = next(iter(skipped.items()))
-            _skip(str(first), _skip_location(info, first, failure.failures.get(rank)))
+        _skip_if_every_rank_skipped(info, failure)
         shared = getattr(failure, "thread_shared", None)
         if judge and shared:
             return _judge_on_processes(info, case, request_for("process"), shared, failure)
@@ -581,6 +579,55 @@ def run_spec(
     shared = world.thread_shared() if judge and hasattr(world, "thread_shared") else []
     if shared:
         return _judge_on_processes(info, case, request_for("process"), shared, None)
+    _refuse_unrun_results(results, info.source, generators=True)
+    return results
+
+
+def _skip_if_every_rank_skipped(info: SpecInfo, failure: RankFailure) -> None:
+    """A run whose every failing rank called ``pytest.skip`` is a skip, reported at the body's line."""
+    import pytest
+
+    from dstest.errors import WorldAborted
+
+    primary = {r: e for r, e in failure.exceptions.items() if not isinstance(e, WorldAborted)}
+    skipped = {r: e for r, e in primary.items() if isinstance(e, pytest.skip.Exception)}
+    if skipped and len(skipped) == len(primary):
+        rank, first = next(iter(skipped.items()))
+        _skip(str(first), _skip_location(info, first, failure.failures.get(rank)))
+
+
+def sampled(percent: int, case_name: str) -> bool:
+    """Whether ``--dstest-crosscheck`` (``percent`` of the threaded cases, 100 for all) takes this case: the
+    same cases run after run (a digest of the case's name), so a divergence found once is found again."""
+    import zlib
+
+    return percent >= 100 or (percent > 0 and zlib.crc32(case_name.encode()) % 100 < percent)
+
+
+def _crosschecked(
+    info: SpecInfo, case: Case, threaded: Any, request_for: Callable[[str], RunRequest], judge: bool
+) -> list[Any]:
+    """``--dstest-crosscheck``: the threaded case also runs on the process world; verdicts, per-rank results
+    and collective traces must agree bit for bit (:func:`dstest.compare.compare_outcomes`), else the test
+    fails with :class:`~dstest.errors.WorldsDiverge` naming the first difference (contract E14)."""
+    from dstest.compare import compare_outcomes, run_recorded
+    from dstest.worlds import get_world
+
+    first = run_recorded(case.world_size, lambda: threaded.run(request_for("threaded")))
+    if first.failure is not None:
+        _skip_if_every_rank_skipped(info, first.failure)
+        shared = getattr(first.failure, "thread_shared", None) or []
+    else:
+        shared = threaded.thread_shared()
+    if judge and shared:
+        return _judge_on_processes(info, case, request_for("process"), shared, first.failure)
+    process = get_world("process")
+    if process.unavailable_reason(case.world_size) is not None:
+        if first.failure is not None:
+            raise first.failure
+        return first.results or []
+    second = run_recorded(case.world_size, lambda: process.run(request_for("process")))
+    results = compare_outcomes(f"{info.name}[{case.id}]", case.world_size, {"threaded": first, "process": second})
     _refuse_unrun_results(results, info.source, generators=True)
     return results
 

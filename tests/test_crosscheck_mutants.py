@@ -20,8 +20,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dstest.compare import _trace_difference
 from dstest.context import RankContext
-from dstest.crosscheck import _trace_difference, crosscheck, difference
+from dstest.crosscheck import crosscheck, difference
 from dstest.errors import InvalidArgument, RankFailure, WorldsDiverge, WorldTimeout
 from dstest.worlds.request import DEFAULT_SEED
 

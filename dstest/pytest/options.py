@@ -27,6 +27,7 @@ OPT_ASYNC_HAZARDS = "--dstest-async-hazards"
 OPT_STRICT_SHAPES = "--dstest-strict-shapes"
 OPT_WARM = "--dstest-warm"
 OPT_THREADS_ALONE = "--dstest-threads-alone"
+OPT_CROSSCHECK = "--dstest-crosscheck"
 INI_DESELECT_SOAK = "dstest_deselect_soak"
 
 
@@ -101,6 +102,21 @@ def _parse_seed(value: str) -> int:
         return check_seed(int(value))
     except (ValueError, InvalidArgument):
         raise pytest.UsageError(f"{OPT_SEED}={value!r}: give an integer seed >= 0 (e.g. 0)") from None
+
+
+def _parse_crosscheck(value: str) -> int:
+    text = value.strip().lower()
+    if text == "all":
+        return 100
+    try:
+        percent = int(text.removesuffix("%"))
+    except ValueError:
+        percent = -1
+    if not 1 <= percent <= 100:
+        raise pytest.UsageError(
+            f"{OPT_CROSSCHECK}={value!r}: give 'all' or a percent of the threaded cases from 1% to 100% (e.g. 25%)"
+        )
+    return percent
 
 
 def _parse_mark(value: str) -> str:
@@ -220,6 +236,14 @@ def _add_observation_options(group: Any) -> None:
         help="keep the threaded world's verdict even where its rank threads shared what processes would not (a "
         "module attribute a rank rebound, a module global holding a rank's group, torch.default_generator used "
         "by name); by default such a spec is run again on the process world, whose verdict counts",
+    )
+    group.addoption(
+        OPT_CROSSCHECK,
+        type=_parse_crosscheck,
+        default=0,
+        metavar="all|N%",
+        help="also run these threaded cases (all, or a sample of N percent, the same cases run after run) on the "
+        "process world and fail on any difference in verdict, per-rank results or collective traces (dstest.crosscheck)",
     )
     group.addoption(
         OPT_WARM,

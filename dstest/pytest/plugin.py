@@ -26,6 +26,7 @@ import pytest
 from dstest.pytest.options import (  # light: no torch import
     INI_DESELECT_SOAK,
     OPT_ASYNC_HAZARDS,
+    OPT_CROSSCHECK,
     OPT_FLIGHT_RECORDER,
     OPT_MARK_UNMARKED,
     OPT_SEED,
@@ -130,6 +131,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "async_hazards": (OPT_ASYNC_HAZARDS, config.getoption(OPT_ASYNC_HAZARDS)),
         "strict_shapes": (OPT_STRICT_SHAPES, config.getoption(OPT_STRICT_SHAPES)),
         "judge_on_processes": (OPT_THREADS_ALONE, not config.getoption(OPT_THREADS_ALONE)),
+        "crosscheck": (OPT_CROSSCHECK, config.getoption(OPT_CROSSCHECK)),
     }
     try:
         config.stash[fixtures.SETTINGS_KEY] = Settings(**{key: value for key, (_, value) in values.items()})
