@@ -190,6 +190,11 @@ class _Compare:
             return Difference(path, f"{_layout(a)} vs {_layout(b)} tensors")
         if a.is_meta:
             return None  # no data: dtype and shape are all there is
+        if a.is_quantized:  # its integers and how they map to values (its bytes: torch.equal crashes on them)
+            qa, qb = _quantization(a), _quantization(b)
+            if qa != qb:
+                return Difference(path, f"quantized {a.dtype} tensors of other quantization: {qa} vs {qb}")
+            return self.tensors(a.int_repr(), b.int_repr(), path)
         try:
             x, y = _tensor_bytes(a), _tensor_bytes(b)
         except Exception as exc:
@@ -278,6 +283,8 @@ def _tensor_bytes(t: Any) -> Any:
     import torch
 
     t = t.detach()
+    if t.is_quantized:
+        raise TypeError("a quantized tensor: compare t.int_repr() and its quantization parameters")
     if t.layout != torch.strided:
         t = t.to_dense()
     conj, neg = t.is_conj(), t.is_neg()
@@ -285,8 +292,10 @@ def _tensor_bytes(t: Any) -> Any:
         t, neg = t.resolve_neg(), False  # integers negate exactly
     if conj:
         t = t.conj()  # the stored values: conj() of a conjugate view only clears the bit
-    if neg:
-        t = torch._neg_view(t)  # the same: toggles the bit back
+    if neg:  # the stored values: a plain tensor over the view's storage (the negative bit is the view's only)
+        t = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            t.untyped_storage(), t.storage_offset(), t.shape, t.stride()
+        )
     raw = t.cpu().contiguous().reshape(-1).view(torch.uint8)
     if not (conj or neg):
         return raw
@@ -298,6 +307,21 @@ def _tensor_bytes(t: Any) -> Any:
     if t.is_complex() and neg != conj:
         flips[size - 1] ^= 0x80  # the imaginary part: negated by one of the two, not by both
     return (raw.view(-1, size) ^ flips).reshape(-1)
+
+
+def _quantization(t: Any) -> tuple[Any, ...]:
+    """A quantized tensor's scheme and parameters (per tensor, or per channel along an axis)."""
+    import torch
+
+    scheme = t.qscheme()
+    if scheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        return (str(scheme), _float_bits(t.q_scale()), t.q_zero_point())
+    return (
+        str(scheme),
+        t.q_per_channel_axis(),
+        [_float_bits(x) for x in t.q_per_channel_scales().tolist()],
+        t.q_per_channel_zero_points().tolist(),
+    )
 
 
 def _item(t: Any) -> Any:

@@ -433,3 +433,18 @@ def test_structured_arrays_are_compared_field_by_field_not_by_their_padding():
     b["loss"][2] = 0.0
     found = difference(a, b)
     assert found is not None and found.path == "['loss'][2]" and "-0.0 vs 0.0" in found.why, found
+
+
+def test_quantized_tensors_are_compared_by_their_integers_and_quantization():
+    """They crashed the process (torch.equal on their bytes): now their integers and parameters are compared."""
+    q = torch.quantize_per_tensor(torch.tensor([0.5, 1.0, 1.5]), 0.5, 2, torch.quint8)
+    same = torch.quantize_per_tensor(torch.tensor([0.5, 1.0, 1.5]), 0.5, 2, torch.quint8)
+    assert difference(q, same) is None
+    other = torch.quantize_per_tensor(torch.tensor([0.5, 1.0, 2.0]), 0.5, 2, torch.quint8)
+    assert "[2]" in str(difference(q, other))
+    rescaled = torch.quantize_per_tensor(torch.tensor([0.5, 1.0, 1.5]), 0.25, 2, torch.quint8)
+    assert "of other quantization" in str(difference(q, rescaled))
+    per_channel = torch.quantize_per_channel(
+        torch.ones(2, 2), torch.tensor([0.5, 1.0], dtype=torch.float64), torch.tensor([0, 1]), 0, torch.qint8
+    )
+    assert difference(per_channel, per_channel.clone()) is None
