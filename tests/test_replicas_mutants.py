@@ -421,3 +421,121 @@ def test_lists_two_structure_changes_and_names_alike_are_named_in_full() -> None
         "matched by name across ranks: give them names that differ",
     ]
     assert dstest.run(_structures, 3) == [expected] * 3
+
+
+def _one_complex_element(ctx: RankContext) -> list[str | None]:
+    """complex128 tensors of one element, apart in the imaginary part on rank 1 (a 0-d one and one of shape [1])."""
+    value = 1j if ctx.rank == 1 else 0j
+    z = torch.tensor(value, dtype=torch.complex128)
+    return [_caught({"z": z}), _caught({"z": z.reshape(1)})]
+
+
+def test_the_element_that_differs_in_a_one_element_complex128_tensor_is_found_without_numpy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """G4 without numpy: a 16-byte element is two int64 words, and the element that differs is found by element,
+    not by word (its imaginary word is no element of its own)."""
+    from dstest import replicas
+
+    monkeypatch.setattr(replicas, "_numpy", lambda: None)
+    tail = "differs bit for bit: ranks [0] vs ranks [1]; largest absolute difference 1 at index"
+    expected = [
+        HEAD + f"tensor 'z' (complex128[]) {tail} () (rank 0: 0j, rank 1: 1j)",
+        HEAD + f"tensor 'z' (complex128[1]) {tail} (0,) (rank 0: 0j, rank 1: 1j)",
+    ]
+    assert dstest.run(_one_complex_element, 2) == [expected, expected]
+
+
+def _mesh_subgroups(ctx: RankContext) -> list[str | None]:
+    """On a 2 x 2 mesh (dp, tp) of 4 ranks: a check over each rank's tp group of a DTensor replicated on both
+    dimensions (dp's group is not within it, tp's is), two DTensors that differ over other groups (the first in
+    order is named, whatever its group), a DTensor sharded unevenly on dp (a different local shape on each tp
+    group, the same within it), and on a 1 x 4 mesh a dimension of one rank (nothing to compare on it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    r = ctx.rank
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    apart = torch.tensor([0.0, 1.0 if r == 3 else 0.0])
+    w = DTensor.from_local(apart, mesh, [Replicate(), Replicate()], run_check=False)
+    a = DTensor.from_local(apart, mesh, [Shard(0), Replicate()], run_check=False)  # compared on tp: [2, 3]
+    b = DTensor.from_local(apart, mesh, [Replicate(), Shard(0)], run_check=False)  # compared on dp: [1, 3]
+    uneven = distribute_tensor(torch.arange(5.0), mesh, [Shard(0), Replicate()])  # 3 rows on dp 0, 2 on dp 1
+    flat = init_device_mesh("cpu", (1, 4), mesh_dim_names=("solo", "all"))
+    v = DTensor.from_local(torch.zeros(2), flat, [Replicate(), Replicate()], run_check=False)
+    out = [_caught({"w": w}, group=mesh.get_group("tp")), _caught({"a": a, "b": b}), _caught({"u": uneven})]
+    if r == 3:
+        uneven.to_local()[1] += 1.0
+    out.append(_caught({"u": uneven}))
+    out.append(_caught({"v": v, "x": torch.zeros(1)} if r == 0 else {"v": v}))
+    return out
+
+
+def test_dtensors_are_compared_over_their_replicated_dimensions_groups_within_the_group() -> None:
+    """G4's layouts: a Replicate dimension whose group lies within ``group`` is compared even after one whose group
+    does not; the message names the first tensor that differs; local shapes are compared within each group (an
+    uneven Shard differs across groups by design); a dimension of one rank compares nothing and adds no name."""
+    tp = [None, None] + [
+        "replicas of tensors diverge over ranks [2, 3]: tensor 'w' (local, Replicate on mesh dim 1 'tp') (float32[2]) "
+        "differs bit for bit: ranks [2] vs ranks [3]; largest absolute difference 1 at index (1,) (rank 2: 0, rank 3: 1)"
+    ] * 2
+    head = "replicas of tensors diverge over ranks [0, 1, 2, 3]: "
+    common = [
+        head + "tensor 'a' (local, Replicate on mesh dim 1 'tp') (float32[2]) differs bit for bit: ranks [2] vs ranks "
+        "[3]; largest absolute difference 1 at index (1,) (rank 2: 0, rank 3: 1)",
+        None,
+        head + "tensor 'u' (local, Replicate on mesh dim 1 'tp') (float32[2]) differs bit for bit: ranks [2] vs ranks "
+        "[3]; largest absolute difference 1 at index (1,) (rank 2: 4, rank 3: 5)",
+        head + "the ranks hold different tensors (rank 0 holds 2: tensor 'v' (local, Replicate on mesh dim 1 'all'), "
+        "tensor 'x'): ranks [1, 2, 3] lack tensor 'x'",
+    ]
+    assert dstest.run(_mesh_subgroups, 4) == [[tp[r], *common] for r in range(4)]
+
+
+def _halves(ctx: RankContext) -> list[str | None]:
+    """8 ranks on a 2 x 2 x 2 mesh (rep, dp, tp), checked over each half of the world ([0..3] and [4..7], a rep
+    slice each: rep's groups are not within it, dp's and tp's are): a DTensor apart on rank 3 and on rank 6, then on
+    rank 3 alone; then DTensors on each rank's tp mesh, a strict part of its half (also compared as full tensors):
+    zeros on tp groups [0, 1] and [4, 5], ones on [2, 3] and [6, 7], then float32 on the first, float64 on the
+    second."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    r = ctx.rank
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("rep", "dp", "tp"))
+    halves = [dist.new_group([0, 1, 2, 3]), dist.new_group([4, 5, 6, 7])]
+    half = halves[r // 4]
+    both = DTensor.from_local(torch.tensor([0.0, float(r in (3, 6))]), mesh, [Replicate()] * 3, run_check=False)
+    one = DTensor.from_local(torch.tensor([0.0, float(r == 3)]), mesh, [Replicate()] * 3, run_check=False)
+    second = r // 2 % 2  # the second tp group of its half
+    ones = DTensor.from_local(torch.full((2,), float(second)), mesh["tp"], [Replicate()], run_check=False)
+    wide = torch.float64 if second else torch.float32
+    wider = DTensor.from_local(torch.zeros(2, dtype=wide), mesh["tp"], [Replicate()], run_check=False)
+    return [_caught({"w": t}, group=half) for t in (both, one)] + [_caught({"f": t}, group=half) for t in (ones, wider)]
+
+
+def test_a_check_over_part_of_the_world_agrees_over_that_part_and_compares_full_tensors_over_it() -> None:
+    """G4 over a group that is not the world: the verdict is agreed over the group only (each half its own, a half
+    without a difference passes), and the full tensors of a mesh that is a strict part of the group are compared,
+    by value and by dtype, over the group."""
+
+    def local(low: int, high: int) -> str:
+        return (
+            f"tensor 'w' (local, Replicate on mesh dim 1 'dp') (float32[2]) differs bit for bit: ranks [{low}] vs "
+            f"ranks [{high}]; largest absolute difference 1 at index (1,) (rank {low}: 0, rank {high}: 1)"
+        )
+
+    def expected(first: int) -> list[str | None]:
+        ranks = list(range(first, first + 4))
+        head = f"replicas of tensors diverge over ranks {ranks}: "
+        pairs = f"ranks {ranks[:2]} vs ranks {ranks[2:]}"
+        return [
+            head + (local(1, 3) if first == 0 else local(4, 6)),
+            head + local(1, 3) if first == 0 else None,
+            head + f"tensor 'f' (full tensor) (float32[2]) differs bit for bit: {pairs}; largest absolute difference "
+            f"1 at index (0,) (rank {first}: 0, rank {first + 2}: 1)",
+            head + f"tensor 'f' (full tensor) has different shapes or dtypes: ranks {ranks[:2]} float32[2] vs ranks "
+            f"{ranks[2:]} float64[2]",
+        ]
+
+    assert dstest.run(_halves, 8) == [expected(0)] * 4 + [expected(4)] * 4
