@@ -277,7 +277,7 @@ def _gather_values(entry: _Entry, t: torch.Tensor) -> list[torch.Tensor]:
 
 def _bits(value: torch.Tensor) -> str:
     """One element's bits in hex, as the machine reads the element (the most significant byte first)."""
-    return "0x" + int.from_bytes(bytes(_raw(value).tolist()), sys.byteorder).to_bytes(value.element_size(), "big").hex()
+    return f"0x{int.from_bytes(bytes(_raw(value).tolist()), sys.byteorder):0{2 * value.element_size()}x}"
 
 
 def _fmt(value: torch.Tensor) -> str:
