@@ -538,7 +538,6 @@ def run_spec(
     ``instance`` is the test-class instance of a spec method (``self``). A skip is reported at the spec
     body's line, not here.
     """
-
     from dstest.worlds import get_world
 
     world = get_world(case.world)
