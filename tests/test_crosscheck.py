@@ -435,6 +435,7 @@ def test_structured_arrays_are_compared_field_by_field_not_by_their_padding():
     assert found is not None and found.path == "['loss'][2]" and "-0.0 vs 0.0" in found.why, found
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # torch 2.13 deprecates the creators
 def test_quantized_tensors_are_compared_by_their_integers_and_quantization():
     """They crashed the process (torch.equal on their bytes): now their integers and parameters are compared."""
     q = torch.quantize_per_tensor(torch.tensor([0.5, 1.0, 1.5]), 0.5, 2, torch.quint8)
@@ -448,3 +449,8 @@ def test_quantized_tensors_are_compared_by_their_integers_and_quantization():
         torch.ones(2, 2), torch.tensor([0.5, 1.0], dtype=torch.float64), torch.tensor([0, 1]), 0, torch.qint8
     )
     assert difference(per_channel, per_channel.clone()) is None
+    scales = torch.tensor([0.5, 1.0], dtype=torch.float64)
+    affine = torch.quantize_per_channel(torch.ones(2, 2), scales, torch.tensor([0, 0]), 0, torch.quint8)
+    float_qparams = torch.quantize_per_channel(torch.ones(2, 2), scales, torch.tensor([0.0, 0.0]), 0, torch.quint8)
+    assert torch.equal(affine.int_repr(), float_qparams.int_repr())  # the same integers, zero points 0 and 0.0
+    assert "per_channel_affine_float_qparams" in str(difference(affine, float_qparams))  # another scheme
