@@ -685,9 +685,7 @@ def scatter_1d(ctx):
         scatter_tensor_shape[scatter_dim] *= ctx.world_size
         torch.manual_seed(0)  # the same seed on every rank
         global_tensor = torch.randn(scatter_tensor_shape)
-        splitted_list, _ = shard_placement._split_tensor(
-            global_tensor, mesh.size(), with_padding=True, contiguous=True
-        )
+        splitted_list, _ = shard_placement._split_tensor(global_tensor, mesh.size(), with_padding=True, contiguous=True)
         recv_tensor = torch.empty_like(splitted_list[mesh.get_rank()])
         mesh_scatter(recv_tensor, splitted_list, mesh, mesh_dim=0)  # dim > 0 scatters into a non-contiguous view
         assert_close(recv_tensor, splitted_list[mesh.get_rank()])
@@ -808,31 +806,41 @@ def unused_forward_module(ctx):
     for reshard_after_forward in (True, False):
         torch.manual_seed(42)
         local_batch_size, dim = 2, 24
-        global_batch_size = ctx.world_size * local_batch_size
         model = _DoubleLinear(dim=dim, use_second_linear=False)
         ref_model = copy.deepcopy(model)
         fully_shard(model.lin1, reshard_after_forward=reshard_after_forward)
         fully_shard(model.lin2, reshard_after_forward=reshard_after_forward)
         fully_shard(model, reshard_after_forward=reshard_after_forward)
-        ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
-        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-        torch.manual_seed(1)  # same on all ranks
-        for iter_idx in range(3):
-            global_inp = torch.rand((global_batch_size, dim))
-            local_inp = global_inp[ctx.rank * local_batch_size : (ctx.rank + 1) * local_batch_size].detach()
-            losses = []
-            for _model, inp in ((ref_model, global_inp), (model, local_inp)):
-                losses.append(_model(inp).sum())
-                losses[-1].backward()
-            _reduce_1d_partial_grads(ref_model)
-            dist.all_reduce(losses[1])  # partial -> replicated
-            assert_close(losses[0], losses[1])
-            _check_sharded_parity(ref_model, model)
-            for _optim in (optim, ref_optim):
-                _optim.step()
-                _optim.zero_grad(set_to_none=bool(iter_idx % 2))
-            out.append(losses[1].detach())
+        out += _parity_steps(ctx, model, ref_model, 3, local_batch_size, dim)
         out.append(_locals(model))
+    return out
+
+
+def _parity_steps(
+    ctx: Any, model: nn.Module, ref_model: nn.Module, steps: int, local_batch_size: int, dim: int
+) -> list[Any]:
+    """Upstream's parity loop: the same global batch on every rank (seed 1), the reference on all of it and
+    the sharded model on this rank's slice, losses compared after an all-reduce, sharded parameters compared
+    with the reference's after the reference's partial gradients are all-reduced; Adam on both."""
+    ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(1)  # same on all ranks
+    out = []
+    for iter_idx in range(steps):
+        global_inp = torch.rand((ctx.world_size * local_batch_size, dim))
+        local_inp = global_inp[ctx.rank * local_batch_size : (ctx.rank + 1) * local_batch_size].detach()
+        losses = []
+        for _model, inp in ((ref_model, global_inp), (model, local_inp)):
+            losses.append(_model(inp).sum())
+            losses[-1].backward()
+        _reduce_1d_partial_grads(ref_model)
+        dist.all_reduce(losses[1])  # partial -> replicated
+        assert_close(losses[0], losses[1])
+        _check_sharded_parity(ref_model, model)
+        for _optim in (optim, ref_optim):
+            _optim.step()
+            _optim.zero_grad(set_to_none=bool(iter_idx % 2))
+        out.append(losses[1].detach())
     return out
 
 
@@ -890,7 +898,6 @@ def nontensor_activations(ctx):
     for container_type in ("namedtuple", "dict"):
         torch.manual_seed(42)
         local_batch_size, dim = 2, 24
-        global_batch_size = ctx.world_size * local_batch_size
         model = nn.Sequential(
             _ToContainer(container_type),
             _ContainerModule(dim),
@@ -902,24 +909,7 @@ def nontensor_activations(ctx):
         for module in model:
             fully_shard(module)
         fully_shard(model)
-        ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
-        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-        torch.manual_seed(1)  # same on all ranks
-        for iter_idx in range(2):
-            global_inp = torch.rand((global_batch_size, dim))
-            local_inp = global_inp[ctx.rank * local_batch_size : (ctx.rank + 1) * local_batch_size].detach()
-            losses = []
-            for _model, inp in ((ref_model, global_inp), (model, local_inp)):
-                losses.append(_model(inp).sum())
-                losses[-1].backward()
-            _reduce_1d_partial_grads(ref_model)
-            dist.all_reduce(losses[1])  # partial -> replicated
-            assert_close(losses[0], losses[1])
-            _check_sharded_parity(ref_model, model)
-            for _optim in (optim, ref_optim):
-                _optim.step()
-                _optim.zero_grad(set_to_none=bool(iter_idx % 2))
-            out.append(losses[1].detach())
+        out += _parity_steps(ctx, model, ref_model, 2, local_batch_size, dim)
     return out
 
 
@@ -1216,9 +1206,7 @@ def train_parity_hsdp(ctx):
             fully_shard(
                 mlp, mesh=global_mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload_policy
             )
-        fully_shard(
-            model, mesh=global_mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload_policy
-        )
+        fully_shard(model, mesh=global_mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload_policy)
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
         _check_sharded_parity(ref_model, model)
         torch.manual_seed(42 + ctx.rank + 1)
@@ -1251,7 +1239,9 @@ class _Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
-        q, k, v = (w(x).view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k, v = (
+            w(x).view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
+        )
         return self.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
 
 
@@ -1521,6 +1511,7 @@ TOLERANCES: dict[Callable[..., Any], dict[str, float]] = {
         non_root_forward_backward,
     )
 }
+
 
 def _cases() -> list[Any]:
     # linear_op_reductions also found a divergence of its own: DTensor's any() (torch 2.11-2.13) all-reduces its

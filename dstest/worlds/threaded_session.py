@@ -24,6 +24,11 @@ __all__ = ["ThreadedSession", "watch_module_writes"]
 _NOT_LIBRARY_STATE = frozenset({"dstest", "torch", "_pytest", "pytest", "pluggy", "hypothesis", "threading"})
 
 
+def _listed(items: list[str], most: int = 4) -> str:
+    """The first ``most`` items of a note, and how many more."""
+    return "; ".join(items[:most]) + (f"; and {len(items) - most} more" if len(items) > most else "")
+
+
 def _group_in(value: Any, session: Any) -> Any:
     """A group of ``session`` that ``value`` is or holds directly (a list, tuple or dict of groups), or None."""
     from dstest.worlds._backend import Group
@@ -91,8 +96,7 @@ class _SharedGlobals:
             )
         if not self.found:
             return ""
-        items = [f"{where} ({what})" for where, what in self.found.items()]
-        shown = "; ".join(items[:4]) + (f"; and {len(items) - 4} more" if len(items) > 4 else "")
+        shown = _listed([f"{where} ({what})" for where, what in self.found.items()])
         return (
             f"\nnote: module globals held this world's process groups: {shown}. Rank threads share a module's "
             "globals, where each process of a world has its own, so a library that keeps its groups there (as "
@@ -119,8 +123,7 @@ class ThreadedSession(Session):
         """For a report: the attributes of shared modules that a rank rebound during the run, and which rank."""
         if not self.module_writes:
             return ""
-        items = [f"{where} (by rank {', '.join(map(str, ranks))})" for where, ranks in self.module_writes.items()]
-        shown = "; ".join(items[:4]) + (f"; and {len(items) - 4} more" if len(items) > 4 else "")
+        shown = _listed([f"{where} (by rank {', '.join(map(str, r))})" for where, r in self.module_writes.items()])
         return (
             f"\nnote: a rank rebound an attribute of a module during the run: {shown}. Rank threads share one "
             "module object, where each process of a world has its own: every rank saw the rank's replacement "
