@@ -626,7 +626,8 @@ def _crosschecked(
             raise first.failure
         return first.results or []
     second = run_recorded(case.world_size, lambda: process.run(request_for("process")))
-    results = compare_outcomes(f"{info.name}[{case.id}]", case.world_size, {"threaded": first, "process": second})
+    outcomes = {"threaded": first, "process": second}
+    results = compare_outcomes(f"{info.name}[{case.id}]", case.world_size, outcomes, rtol=0.0, atol=0.0)
     _refuse_unrun_results(results, info.source, generators=True)
     return results
 

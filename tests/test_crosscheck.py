@@ -445,6 +445,7 @@ def test_quantized_tensors_are_compared_by_their_integers_and_quantization():
     assert "[2]" in str(difference(q, other))
     rescaled = torch.quantize_per_tensor(torch.tensor([0.5, 1.0, 1.5]), 0.25, 2, torch.quint8)
     assert "of other quantization" in str(difference(q, rescaled))
+    assert str(difference({"w": q}, {"w": rescaled})).startswith("['w']: quantized")  # at its path
     per_channel = torch.quantize_per_channel(
         torch.ones(2, 2), torch.tensor([0.5, 1.0], dtype=torch.float64), torch.tensor([0, 1]), 0, torch.qint8
     )
@@ -454,3 +455,14 @@ def test_quantized_tensors_are_compared_by_their_integers_and_quantization():
     float_qparams = torch.quantize_per_channel(torch.ones(2, 2), scales, torch.tensor([0.0, 0.0]), 0, torch.quint8)
     assert torch.equal(affine.int_repr(), float_qparams.int_repr())  # the same integers, zero points 0 and 0.0
     assert "per_channel_affine_float_qparams" in str(difference(affine, float_qparams))  # another scheme
+
+
+def test_a_negative_view_that_is_not_contiguous_is_read_in_its_own_order():
+    """``conj().imag`` of a transposed complex matrix is a negative view with strides of its own: its stored
+    values are read through those strides (not as if contiguous), then their sign bits flipped."""
+    z = torch.complex(torch.arange(6.0).reshape(2, 3), torch.arange(6.0, 12.0).reshape(2, 3)).t()
+    view = z.conj().imag
+    assert view.is_neg() and not view.is_contiguous()
+    plain = -torch.arange(6.0, 12.0).reshape(2, 3).t().contiguous()
+    assert difference(view, plain) is None
+    assert "[2, 1]" in str(difference(view, plain.index_put((torch.tensor(2), torch.tensor(1)), torch.tensor(0.0))))
