@@ -571,11 +571,11 @@ def run_spec(
         results = world.run(request_for(case.world))
     except RankFailure as failure:
         _skip_if_every_rank_skipped(info, failure)
-        shared = getattr(failure, "thread_shared", None)
+        shared = _thread_shared(world, failure)
         if judge and shared:
             return _judge_on_processes(info, case, request_for("process"), shared, failure)
         raise
-    shared = world.thread_shared() if judge and hasattr(world, "thread_shared") else []
+    shared = _thread_shared(world, None) if judge else []
     if shared:
         return _judge_on_processes(info, case, request_for("process"), shared, None)
     _refuse_unrun_results(results, info.source, generators=True)
@@ -593,6 +593,14 @@ def _skip_if_every_rank_skipped(info: SpecInfo, failure: RankFailure) -> None:
     if skipped and len(skipped) == len(primary):
         rank, first = next(iter(skipped.items()))
         _skip(str(first), _skip_location(info, first, failure.failures.get(rank)))
+
+
+def _thread_shared(world: Any, failure: RankFailure | None) -> list[str]:
+    """What a threaded run shared between rank threads that processes would not: carried by its failure, or
+    asked of the world after a pass (worlds without rank threads share nothing)."""
+    if failure is not None:
+        return list(getattr(failure, "thread_shared", None) or [])
+    return world.thread_shared() if hasattr(world, "thread_shared") else []
 
 
 def sampled(percent: int, case_name: str) -> bool:
@@ -615,9 +623,7 @@ def _crosschecked(
     first = run_recorded(case.world_size, lambda: threaded.run(request_for("threaded")))
     if first.failure is not None:
         _skip_if_every_rank_skipped(info, first.failure)
-        shared = getattr(first.failure, "thread_shared", None) or []
-    else:
-        shared = threaded.thread_shared()
+    shared = _thread_shared(threaded, first.failure)
     if judge and shared:
         return _judge_on_processes(info, case, request_for("process"), shared, first.failure)
     process = get_world("process")

@@ -343,9 +343,8 @@ class _WarmCrew:
                 self._phase.done(rank)
                 while (task := self._tasks[rank].get()) is not None:
                     fresh.begin(self._run_id)
-                    self._defaults[
-                        rank
-                    ]._seq = 0  # the world group's calls count from 1 in each run, as in a fresh world
+                    # the world group's calls count from 1 in each run, as in a fresh world
+                    self._defaults[rank]._seq = 0
                     task(rank)
                     if not dist.is_initialized():  # the run destroyed the default group itself
                         self.broken = True

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from dstest.worlds import torch_internals as _compat
+from dstest.worlds._backend import binding
 from dstest.worlds._session import Session
 
 __all__ = ["ThreadedSession", "watch_module_writes"]
@@ -135,9 +136,13 @@ class ThreadedSession(Session):
         """What this run shared between rank threads that processes would not (empty: nothing seen)."""
         found = [f"{where} rebound by rank {', '.join(map(str, r))}" for where, r in self.module_writes.items()]
         found += [f"{where} held {what}" for where, what in self.shared_globals.found.items()]
-        if not torch.equal(torch.default_generator.get_state(), self._shared_rng_state):
+        if self._generator_moved():
             found.append("torch.default_generator moved (used by name on a rank thread)")
         return found
+
+    def _generator_moved(self) -> bool:
+        """Whether torch's process-wide generator moved since the run began (rank threads draw from their own)."""
+        return not torch.equal(torch.default_generator.get_state(), self._shared_rng_state)
 
     def register_group(self, group: Any) -> None:
         super().register_group(group)
@@ -150,7 +155,7 @@ class ThreadedSession(Session):
         Each rank thread draws from a generator of its own (``torch_internals.rank_rng``); what still reaches
         the shared one is code that calls ``torch.default_generator``'s own methods (``manual_seed``,
         ``set_state``), which every rank thread shares where each process has its own."""
-        if torch.equal(torch.default_generator.get_state(), self._shared_rng_state):
+        if not self._generator_moved():
             return ""
         return (
             "\nnote: torch's process-wide generator (torch.default_generator) moved during the run. Each rank "
@@ -193,8 +198,6 @@ class _WatchedModule(types.ModuleType):
 
 
 def _note_write(module: types.ModuleType, name: str, value: Any) -> None:
-    from dstest.worlds._backend import binding
-
     session = getattr(binding, "session", None)
     if not isinstance(session, ThreadedSession):
         return  # not a rank thread of the threaded world (or no run)
