@@ -54,9 +54,10 @@ def dstest_run(dstest_settings: Any) -> Callable[..., list[Any]]:
 
 @pytest.fixture
 def dstest_world() -> Callable[[str], Any]:
-    """A world factory: ``dstest_world("threaded").run(fn, 4)`` (see :func:`dstest.get_world`).
+    """A world factory: ``dstest_world("threaded").run(dstest.RunRequest(fn, 4))`` (see :func:`dstest.get_world`).
 
-    Unknown names raise :class:`dstest.InvalidArgument`; each world's ``run`` checks its arguments.
+    A world runs a :class:`dstest.RunRequest`, which checks its arguments when it is made; unknown world
+    names raise :class:`dstest.InvalidArgument`. ``dstest_run`` is the shorter way for most tests.
     """
     from dstest.worlds import get_world
 

@@ -108,7 +108,7 @@ def is_deviation(report: Any) -> bool:
 
 
 def contract_key(contract: str | None) -> tuple[str, int]:
-    """contract order: A1, A2, ..., A10, B1, ...; specs without a contract last."""
+    """contract order: by letter, then by number (E9 before E10); specs without a contract last."""
     if not contract:
         return ("~", 0)
     digits = "".join(ch for ch in contract[1:] if ch.isdigit())
