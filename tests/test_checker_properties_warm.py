@@ -1,6 +1,6 @@
 """Checking the checkers: the warm server's staleness check (contract F3), as properties.
 
-:mod:`dstest.pytest.warm_sources` decides whether a warm server may fork a run: every file it imported must
+:mod:`dstest.pytest.warm.sources` decides whether a warm server may fork a run: every file it imported must
 hold the bytes it imported, and a fresh import of each of its top-level modules must find the same file. Here
 it is driven on files alone, as the server drives it: random modules (plain files and packages, on two
 ``sys.path`` entries, some names on both), the stamps taken after a time taken before the "import", then one
@@ -33,7 +33,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dstest.pytest.warm_sources import Sources, resolve
+from dstest.pytest.warm.sources import Sources, resolve
 
 pytestmark = pytest.mark.cpu
 

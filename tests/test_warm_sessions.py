@@ -166,7 +166,7 @@ def test_f3_a_package_pytest_rewrites_imported_by_the_preload_gives_no_new_warni
 HELD_LIB = """
 import os, sys, time
 _hold = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "hold")
-if os.path.basename(sys.argv[0]) == "warm.py" and os.path.isdir(_hold):  # python -m dstest.pytest.warm
+if sys.argv[0].endswith(os.path.join("warm", "__main__.py")) and os.path.isdir(_hold):  # python -m dstest.pytest.warm
     open(os.path.join(_hold, "importing"), "w").close()
     _until = time.monotonic() + 120
     while not os.path.exists(os.path.join(_hold, "go")) and time.monotonic() < _until:

@@ -1,5 +1,5 @@
 """Whether the sources a warm server imported are still those on disk (contract F3): the check the server makes
-before every fork (:mod:`dstest.pytest.warm`).
+before every fork (:mod:`dstest.pytest.warm.server`).
 
 A warm server may only fork a run when every file it imported holds the bytes it imported, and no directory
 of ``sys.path`` now holds another copy of a top-level module it imported. Two things make that hard:
