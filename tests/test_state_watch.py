@@ -154,7 +154,7 @@ def test_a_function_compiled_in_a_watched_module_runs_again_on_the_warm_workers(
 def user_code(tmp_path, monkeypatch: pytest.MonkeyPatch):
     """A test module of the user's that imports a helper of theirs, and modules a test imports later; their
     directory on sys.path. What the scopes kept of them is forgotten afterwards."""
-    from dstest.worlds.process import state_watch
+    from dstest.worlds.process.state_watch import fresh_scope
 
     (tmp_path / "scoped_helper.py").write_text("ITEMS = []\n")
     (tmp_path / "scoped_tests.py").write_text("import scoped_helper\n\nSEEN = []\nTABLE = {'k': [1]}\n")
@@ -171,7 +171,7 @@ def user_code(tmp_path, monkeypatch: pytest.MonkeyPatch):
     yield tmp_path
     for name in names:
         sys.modules.pop(name, None)
-        state_watch._AS_IMPORTED.pop(name, None)
+        fresh_scope._AS_IMPORTED.pop(name, None)
 
 
 def _import(name: str) -> types.ModuleType:
