@@ -261,7 +261,7 @@ def _run_point_to_point(
 
 
 def _reduce(op: str, ts: list[torch.Tensor]) -> torch.Tensor:
-    from dstest.worlds._collectives import reduce_tensors
+    from dstest.worlds.collectives import reduce_tensors
 
     return reduce_tensors(op, ts)
 

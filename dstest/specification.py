@@ -308,7 +308,7 @@ def spec(
     ``timeout`` (seconds, see :func:`dstest.worlds.protocol.check_timeout`) overrides ``--dstest-timeout``;
     ``contract`` names the docs/contracts.md line the spec checks (shown in reports). ``async_hazards=True``
     poisons the outputs of async collectives and irecvs until they are waited (see
-    :mod:`dstest.worlds._hazards`; threaded worlds only, like ``--dstest-async-hazards``).
+    :mod:`dstest.worlds.threaded.hazards`; threaded worlds only, like ``--dstest-async-hazards``).
     ``strict_shapes=True`` also refuses collectives whose ranks' buffers differ only in shape (gloo and
     NCCL compare element counts and dtypes; like ``--dstest-strict-shapes``). ``faults``: the
     :mod:`dstest.faults` (``Kill``, ``Fail``, ``Delay``) injected in every case (threaded and process worlds;
@@ -458,7 +458,7 @@ def run(
     (:mod:`dstest.worlds.protocol`): an unknown world or target, a timeout that is not a finite positive
     number of seconds (at most a day), a world size that is not an int >= 1, or a generator or
     ``async def`` ``fn`` raise :class:`InvalidArgument`. ``async_hazards=True`` poisons unwaited
-    async outputs (:mod:`dstest.worlds._hazards`; threaded worlds); ``strict_shapes=True`` refuses
+    async outputs (:mod:`dstest.worlds.threaded.hazards`; threaded worlds); ``strict_shapes=True`` refuses
     collectives whose ranks' buffers differ only in shape (by default, as on gloo and NCCL, element counts
     and dtypes must match, shapes may differ). ``watch_modules`` (process world): module-level state of those
     modules that the run changes is put back after it and reported as :class:`~dstest.errors.StateLeftBehind`.

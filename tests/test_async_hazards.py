@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import dstest
 from dstest.errors import InvalidArgument, RankFailure, UnfinishedWork
-from dstest.worlds._hazards import poison_value
+from dstest.worlds.threaded.hazards import poison_value
 
 pytestmark = pytest.mark.cpu
 

@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 
 import dstest
 from dstest.errors import CollectiveMismatch, RankFailure
-from dstest.worlds import _collectives as C
+from dstest.worlds import collectives as C
 from dstest.worlds.core import c10d, matching
 from dstest.worlds.process.messages import _Dev, _Meta
 from dstest.worlds.process.referee import _Referee
@@ -787,8 +787,8 @@ _Recording = c10d.install(type("_Recording", (_Recorder,), {}))
 def test_both_worlds_build_the_same_call_from_a_c10d_call(
     name: str, n: int, shape: tuple[int, ...], dtype: Any, data: Any
 ) -> None:
-    from dstest.worlds._backend import _TENSORS
     from dstest.worlds.process.checked_group import _METAS
+    from dstest.worlds.threaded.group import _TENSORS
 
     method = next(m for m in c10d.METHODS if m.name == name)
     how = data.draw(st.sampled_from(["position", "keyword", "mixed", "default"]))

@@ -137,8 +137,8 @@ def test_an_exchange_matches_by_the_first_call_and_names_both() -> None:
 
 
 def test_every_c10d_method_of_the_table_is_on_both_groups() -> None:
-    from dstest.worlds._backend import Group
     from dstest.worlds.process.checked_group import CheckedGroup
+    from dstest.worlds.threaded.group import Group
 
     names = [m.name for m in c10d.METHODS] + list(c10d.ALIASES)
     for cls in (Group, CheckedGroup):

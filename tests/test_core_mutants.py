@@ -188,7 +188,7 @@ def test_a_scatter_list_entry_of_another_shape_is_refused_on_the_root() -> None:
     so does the local check (``signature`` is strict unless told otherwise)."""
     import torch
 
-    from dstest.worlds import _collectives as C
+    from dstest.worlds import collectives as C
 
     call = C.Scatter(0, 2, torch.empty(6), [torch.empty(6), torch.empty(2, 3)], 0)
     with pytest.raises(InvalidArgument) as info:

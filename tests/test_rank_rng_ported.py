@@ -1516,7 +1516,7 @@ TOLERANCES: dict[Callable[..., Any], dict[str, float]] = {
 def _cases() -> list[Any]:
     # linear_op_reductions also found a divergence of its own: DTensor's any() (torch 2.11-2.13) all-reduces its
     # partial result as a bool SUM, which gloo adds as bytes (0x02 at W=2) and the threaded world wrote as 0x01
-    # (E1); fixed in _collectives/base.py, checked by tests/test_bool_sums.py
+    # (E1); fixed in collectives/base.py, checked by tests/test_bool_sums.py
     return [pytest.param(body, w, id=f"{body.__name__}-{w}") for body in CORPUS for w in (2, 3, 4)]
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dstest.worlds import _collectives as C
-from dstest.worlds._collectives import reducing
+from dstest.worlds import collectives as C
+from dstest.worlds.collectives import reducing
 from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded import ThreadedWorld
 

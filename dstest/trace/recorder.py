@@ -68,7 +68,7 @@ class Recorder:
         return label
 
     def collective(self, group: Any, call: Any, seq: int, rank: int) -> CallRecord:
-        """Record ``call`` (a ``_collectives.Call``) as global rank ``rank`` posts it on ``group``."""
+        """Record ``call`` (a ``collectives.Call``) as global rank ``rank`` posts it on ``group``."""
         dtype, shapes, n, nbytes = measure(call)
         rec = CallRecord(rank, call.op, self._label(group), seq, dtype, shapes, n, nbytes)
         rec.reduce_op = call.reduce_op

@@ -360,7 +360,7 @@ def _size(t: Any) -> int:
 
 
 def measure(call: Any) -> tuple[str, tuple[tuple[int, ...], ...], int, int]:
-    """(dtype, shapes, elements, bytes) of one rank's side of a collective (a ``_collectives.Call``)."""
+    """(dtype, shapes, elements, bytes) of one rank's side of a collective (a ``collectives.Call``)."""
     op = call.op
     shapes: tuple[tuple[int, ...], ...]
     if op in ("all_reduce", "reduce", "broadcast"):

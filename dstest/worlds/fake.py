@@ -18,19 +18,19 @@ import torch
 import dstest.trace as _trace
 from dstest.context import RankContext, rank_seed
 from dstest.errors import InvalidArgument, RankFailure, WorldTimeout
-from dstest.worlds import _collectives as C
+from dstest.worlds import collectives as C
 from dstest.worlds import torch_internals
-from dstest.worlds._backend import rank_process_group, register_backend
-from dstest.worlds._failures import format_exception
-from dstest.worlds._session import Done
 from dstest.worlds.core import c10d
 from dstest.worlds.request import RunRequest
+from dstest.worlds.stopping import format_exception
+from dstest.worlds.threaded.group import rank_process_group, register_backend
+from dstest.worlds.threaded.waits import Done
 
 __all__ = ["FakeWorld"]
 
 
-class _FakeSession:
-    """Stands in for the threaded world's session: every call completes at once, after local checks."""
+class _FakeRendezvous:
+    """Stands in for the threaded world's rendezvous: every call completes at once, after local checks."""
 
     faults = None  # the fake world injects no faults
 
@@ -111,8 +111,8 @@ class FakeWorld:
                     ctx = RankContext(rank=rank, world_size=world_size, world=self.name, device=device, seed=seed)
                     ctx.attach_comm(recorder.view(rank))
                     try:
-                        session = _FakeSession(world_size, recorder)
-                        with rank_process_group(c10d_world, session, rank, device, timedelta(seconds=timeout)):
+                        rendezvous = _FakeRendezvous(world_size, recorder)
+                        with rank_process_group(c10d_world, rendezvous, rank, device, timedelta(seconds=timeout)):
                             token = ctx.bind()
                             generator = torch.Generator()
                             generator.manual_seed(rank_seed(seed, rank))  # as a process of the rank (E5)
@@ -122,7 +122,7 @@ class FakeWorld:
                             finally:
                                 RankContext.unbind(token)
                     except BaseException as exc:
-                        box["error"] = exc  # formatted on the caller's thread (see _failures)
+                        box["error"] = exc  # formatted on the caller's thread (see dstest.worlds.stopping)
 
                 thread = threading.Thread(target=rank_main, name=f"dstest-fake-rank{rank}", daemon=True)
                 thread.start()

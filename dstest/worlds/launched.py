@@ -442,7 +442,7 @@ class _Run:
 
     def _stop(self, thread: threading.Thread, why: str) -> _Outcome:
         """The run ended for this rank without its body finishing: a peer failed, or the timeout passed."""
-        from dstest.worlds._failures import stacks_of
+        from dstest.worlds.stopping import stacks_of
 
         rank = self.launch.rank
         if why == "aborted":
@@ -470,7 +470,7 @@ class _Run:
 
     def _teardown(self, thread: threading.Thread) -> None:
         """Destroy the run's groups; a body still running is interrupted and its group abandoned."""
-        from dstest.worlds._failures import reap
+        from dstest.worlds.stopping import reap
 
         if thread.is_alive():
             self._abort_group()

@@ -2,13 +2,13 @@
 
 - :mod:`~dstest.worlds.core.matching`: how collectives are matched across ranks (by group and sequence
   number), what a rank that left the run does to the others, when the waits are a deadlock, and the texts
-  of these errors. The threaded world's session and the process world's referee both drive it; each keeps
+  of these errors. The threaded world's rendezvous and the process world's referee both drive it; each keeps
   its own transport (locks and in-place delivery; pipes and verdict messages).
 - :mod:`~dstest.worlds.core.c10d`: the table from c10d's process group methods to collectives, from which
   both the threaded world's ``Group`` and the process world's ``CheckedGroup`` are made.
 
 What one rank's side of one collective must satisfy (sizes, dtypes, roots, pairings) lives in the
-``Call`` classes of :mod:`dstest.worlds._collectives`, which both worlds build from the same table entry.
+``Call`` classes of :mod:`dstest.worlds.collectives`, which both worlds build from the same table entry.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 torch calls a process group's methods (``allreduce``, ``_allgather_base``, ``alltoall_base``, ``send``...)
 with its own argument conventions: lists of one tensor, nested output lists, an options object that holds
 the reduce op and the root. Each entry of :data:`METHODS` says, once, how one method's arguments become a
-``Call`` (by its op name in ``dstest.worlds._collectives.CALLS``); :func:`install` gives a class one
+``Call`` (by its op name in ``dstest.worlds.collectives.CALLS``); :func:`install` gives a class one
 method per entry (and the aliases torch's releases use), each handing the entry and the bound arguments to
 the class's ``_c10d(method, args)``. The threaded world's ``Group`` (which delivers data itself) and the
 process world's ``CheckedGroup`` (which posts metadata to the referee, then issues the same method to

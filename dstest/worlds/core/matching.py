@@ -1,6 +1,6 @@
 """The rules every world checks collectives by, and the texts of their errors, in one torch-free place.
 
-The threaded world's session (ranks are threads, data is delivered in place) and the process world's
+The threaded world's rendezvous (ranks are threads, data is delivered in place) and the process world's
 referee (ranks are processes that post metadata through pipes) host the ranks differently, but they
 enforce one contract (contract E2), and a rule written twice drifts. So both drive these pieces and keep only
 their transport (locks and wake-ups; pipes and verdict messages):

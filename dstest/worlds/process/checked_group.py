@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from dstest.errors import InvalidArgument
-from dstest.worlds import _collectives as C
-from dstest.worlds import torch_internals as _compat
+from dstest.worlds import collectives as C
+from dstest.worlds import torch_internals
 from dstest.worlds.core import c10d, matching
 from dstest.worlds.core.faults import Delay, Fail, Fault, Kill, failed_text
 from dstest.worlds.process.checker import _check_error, _Checker, _Record
@@ -26,7 +26,7 @@ from dstest.worlds.process.messages import _Dev, _Meta
 __all__ = ["CheckedGroup", "CheckedWork", "DoneWork"]
 
 
-class CheckedWork(_compat.WorkBase):  # type: ignore[misc]
+class CheckedWork(torch_internals.WorkBase):  # type: ignore[misc]
     """The handle of a checked call: waits for the verdict, then for the gloo work issued on it."""
 
     def __init__(self, checker: _Checker, rec: _Record) -> None:
@@ -75,7 +75,7 @@ class CheckedWork(_compat.WorkBase):  # type: ignore[misc]
     def get_future(self) -> Any:
         rec = self._rec
         rec.waited = True
-        fut, handed_out = _compat.linked_future()  # failed in C++ too when the call fails (DDP's reducer)
+        fut, handed_out = torch_internals.linked_future()  # failed in C++ too when the call fails (DDP's reducer)
 
         def resolve(now: bool = False) -> None:
             if rec.error is not None:
@@ -109,7 +109,7 @@ class CheckedWork(_compat.WorkBase):  # type: ignore[misc]
         return handed_out
 
 
-class DoneWork(_compat.WorkBase):  # type: ignore[misc]
+class DoneWork(torch_internals.WorkBase):  # type: ignore[misc]
     """Already complete: the coalesced forms, which wait for their parts before returning."""
 
     def __init__(self, tensors: list[Any]) -> None:
@@ -149,7 +149,7 @@ def _as_caller(issue: Callable[[], Any]) -> Callable[[], Any]:
     return as_caller
 
 
-class _Metas(_compat.OptionsReader):
+class _Metas(torch_internals.OptionsReader):
     """The process world hands a ``Call`` its tensors' metadata (what the referee compares; it pickles in
     microseconds), see :class:`dstest.worlds.core.c10d.Buffers`."""
 
@@ -200,8 +200,8 @@ class CheckedGroup(dist.ProcessGroup):
         self.label = matching.group_label(gid, members, checker.world_size)
         # C++ code that asks the group for its gloo backend by type (DDP's logger does) finds it; the
         # collectives it issues still come through the methods below (torch calls them virtually).
-        self._register_backend(torch.device("cpu"), _compat.gloo_backend_type(), inner)
-        self._set_default_backend(_compat.gloo_backend_type())
+        self._register_backend(torch.device("cpu"), torch_internals.gloo_backend_type(), inner)
+        self._set_default_backend(torch_internals.gloo_backend_type())
 
     # -- what torch asks of a group ------------------------------------------------------------------
     def getGroupName(self) -> str:
@@ -261,15 +261,15 @@ class CheckedGroup(dist.ProcessGroup):
             return None
         if group_name is None:
             raise InvalidArgument("split_group needs the new group's name (torch's dist.split_group gives one)")
-        store = _compat.c10d_state().pg_map[self][1]
+        store = torch_internals.c10d_state().pg_map[self][1]
         rank, size = ranks.index(self.rank_), len(ranks)
-        inner = _compat.gloo_group(
-            _compat.prefix_store(f"{group_name}/", store), rank, size, timeout or timedelta(minutes=30)
+        inner = torch_internals.gloo_group(
+            torch_internals.prefix_store(f"{group_name}/", store), rank, size, timeout or timedelta(minutes=30)
         )
         members = tuple(self.members[r] for r in ranks)
         group = CheckedGroup(inner, rank, size, members, group_name, self.checker)
         group._group_name, group._group_desc = group_name, group_desc or ""
-        group._split_store = _compat.prefix_store(f"{group_name}/", store)
+        group._split_store = torch_internals.prefix_store(f"{group_name}/", store)
         return group
 
     def get_group_store(self) -> Any:
@@ -324,7 +324,7 @@ class CheckedGroup(dist.ProcessGroup):
     def _c10d(self, method: c10d.Method, args: dict[str, Any]) -> Any:
         """One c10d method (``method``, with its arguments by name): checked, then issued to gloo as called."""
         if method.options and args["opts"] is None:
-            args["opts"] = _compat.c10d_options(method.options)
+            args["opts"] = torch_internals.c10d_options(method.options)
 
         issue = _as_caller(lambda: getattr(self.inner, method.name)(*[args[p] for p in method.params]))
 

@@ -30,13 +30,13 @@ from dstest.errors import (
 )
 from dstest.resets import registered as registered_resets
 from dstest.worlds import build_locks
-from dstest.worlds._failures import format_stacks
 from dstest.worlds.core.faults import Killed, not_fired_error, not_fired_note
 from dstest.worlds.process.launch import _free_port, _mp_context, _threads_per_rank, start_fork_server
 from dstest.worlds.process.messages import _STOP, _Command, _FnRef, _PoolKey, _Reply, _unpickle_exception, _WorkerConfig
 from dstest.worlds.process.referee import _Referee
 from dstest.worlds.process.worker import _worker_main
 from dstest.worlds.request import RunRequest
+from dstest.worlds.stopping import format_stacks
 
 #: Seconds a pool may take to start and form its group (a cold fork server imports torch first).
 POOL_START_TIMEOUT = 180.0

@@ -1,7 +1,7 @@
 """The parent side of the cross-rank check: the referee that matches every rank's calls of one run.
 
 The rules (matching by group and sequence number, ranks that left the run, deadlocks, the texts) are the
-checking core's (:mod:`dstest.worlds.core.matching`), which the threaded world's session drives too; the
+checking core's (:mod:`dstest.worlds.core.matching`), which the threaded world's rendezvous drives too; the
 referee is their transport for processes: it reads the ranks' posts from pipes and answers each with a
 verdict ("ok", or the error) that the rank's checked group waits for. A worker that an injected ``Kill``
 ends (contract G5) says so ("killed") just before it kills itself, so the referee fails its peers' calls

@@ -122,7 +122,7 @@ _BY_TYPE: dict[Any, str] = {}
 
 def reduce_op_name(op: Any) -> str:
     """'sum', 'avg', ... for a ReduceOp or RedOpType (options carry one or the other across versions);
-    ``premul_sum`` comes with its factor (:class:`dstest.worlds._collectives.PremulSum`), read from the
+    ``premul_sum`` comes with its factor (:class:`dstest.worlds.collectives.PremulSum`), read from the
     op's pickled state ``(RedOpType.PREMUL_SUM, factor)`` (torch keeps it in a C++ supplement)."""
     if op == dist.ReduceOp.SUM:  # the common case: one comparison in C++
         return "sum"
@@ -139,7 +139,7 @@ def reduce_op_name(op: Any) -> str:
         return known
     premul = getattr(dist.ReduceOp, "PREMUL_SUM", None)
     if premul is not None and getattr(op, "op", None) == premul:
-        from dstest.worlds._collectives import PremulSum
+        from dstest.worlds.collectives import PremulSum
 
         state = op.__getstate__()
         return PremulSum(state[1] if isinstance(state, tuple) and len(state) > 1 else 1.0)

@@ -2,7 +2,7 @@
 
 gloo and NCCL write a collective's results through raw pointers, so autograd never sees those writes. The
 threaded world copies with torch's own ops instead, and needs three private pieces of torch to make those
-copies look the same (:mod:`dstest.worlds._collectives.base` uses them for every collective).
+copies look the same (:mod:`dstest.worlds.collectives.base` uses them for every collective).
 """
 
 from __future__ import annotations

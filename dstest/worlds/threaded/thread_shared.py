@@ -1,5 +1,5 @@
-"""The threaded world's session: the rendezvous of :class:`~dstest.worlds._session.Session` plus what only rank
-threads need, because they share one process: the watch on module globals that hold a rank's process group (a
+"""The threaded world's rendezvous with what only rank threads need: :class:`~.rendezvous.Rendezvous` plus the
+watch on what rank threads share because they share one process: the watch on module globals that hold a rank's process group (a
 library keeping its groups there sees one rank's on every rank thread), and on torch's process-wide generator
 (each rank draws from its own; code that calls ``torch.default_generator``'s methods reaches the shared one),
 both named in failure reports.
@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from dstest.worlds import torch_internals as _compat
-from dstest.worlds._backend import binding
-from dstest.worlds._session import Session
+from dstest.worlds.threaded.group import Group, binding
+from dstest.worlds.threaded.rendezvous import Rendezvous
+from dstest.worlds.torch_internals import hold_late_imports
 
-__all__ = ["ThreadedSession", "watch_module_writes"]
+__all__ = ["ThreadedRendezvous", "watch_module_writes"]
 
 
 #: Packages whose module globals are not the code under test's (dstest's own, torch's, the test runner's).
@@ -30,16 +30,14 @@ def _listed(items: list[str], most: int = 4) -> str:
     return "; ".join(items[:most]) + (f"; and {len(items) - most} more" if len(items) > most else "")
 
 
-def _group_in(value: Any, session: Any) -> Any:
-    """A group of ``session`` that ``value`` is or holds directly (a list, tuple or dict of groups), or None."""
-    from dstest.worlds._backend import Group
-
+def _group_in(value: Any, rendezvous: Any) -> Any:
+    """A group of ``rendezvous`` that ``value`` is or holds directly (a list, tuple or dict of groups), or None."""
     if isinstance(value, Group):
-        return value if value.session is session else None
+        return value if value.session is rendezvous else None
     if isinstance(value, (list, tuple)):
-        return next((v for v in value if isinstance(v, Group) and v.session is session), None)
+        return next((v for v in value if isinstance(v, Group) and v.session is rendezvous), None)
     if isinstance(value, dict):
-        return next((v for v in value.values() if isinstance(v, Group) and v.session is session), None)
+        return next((v for v in value.values() if isinstance(v, Group) and v.session is rendezvous), None)
     return None
 
 
@@ -58,7 +56,7 @@ class _SharedGlobals:
         self.found: dict[str, str] = {}
         self.failed_in: str | None = None
 
-    def group_made(self, session: Any) -> None:
+    def group_made(self, rendezvous: Any) -> None:
         import sys
 
         frame = sys._getframe(1)
@@ -67,18 +65,18 @@ class _SharedGlobals:
             if isinstance(name, str) and name.split(".", 1)[0] not in _NOT_LIBRARY_STATE:
                 self.watched.setdefault(name, frame.f_globals)
             frame = frame.f_back  # type: ignore[assignment]
-        self.look(session)
+        self.look(rendezvous)
 
-    def look(self, session: Any) -> None:
+    def look(self, rendezvous: Any) -> None:
         for name, module_globals in list(self.watched.items()):
             for attr, value in list(module_globals.items()):
-                group = _group_in(value, session)
+                group = _group_in(value, rendezvous)
                 if group is not None and f"{name}.{attr}" not in self.found:
                     self.found[f"{name}.{attr}"] = f"rank {group.owner}'s group {group.label}"
 
-    def failed(self, session: Any, exc: BaseException) -> None:
+    def failed(self, rendezvous: Any, exc: BaseException) -> None:
         """A rank failed: look again, and remember where, if it failed in a module that makes groups."""
-        self.look(session)
+        self.look(rendezvous)
         tb = exc.__traceback__
         while tb is not None:
             frame = tb.tb_frame
@@ -106,8 +104,8 @@ class _SharedGlobals:
         )
 
 
-class ThreadedSession(Session):
-    """A session of rank threads: adds the watch on what rank threads share that processes would not."""
+class ThreadedRendezvous(Rendezvous):
+    """The rendezvous of rank threads: adds the watch on what rank threads share that processes would not."""
 
     def __init__(self, world_size: int) -> None:
         super().__init__(world_size)
@@ -146,7 +144,7 @@ class ThreadedSession(Session):
 
     def register_group(self, group: Any) -> None:
         super().register_group(group)
-        _compat.hold_late_imports()
+        hold_late_imports()
         self.shared_globals.group_made(self)
 
     def rng_note(self) -> str:
@@ -179,7 +177,7 @@ _watched_count = 0  # len(sys.modules) at the last scan
 
 
 class _WatchedModule(types.ModuleType):
-    """A module whose attribute writes from a rank thread are noted in the rank's session.
+    """A module whose attribute writes from a rank thread are noted in the rank's rendezvous.
 
     ``unittest.mock.patch("pkg.mod.fn")``, torch's ``patch_*`` test helpers and ``mod.fn = other`` rebind an
     attribute of a module object every rank thread shares, where each process of a world has its own module:
@@ -198,8 +196,8 @@ class _WatchedModule(types.ModuleType):
 
 
 def _note_write(module: types.ModuleType, name: str, value: Any) -> None:
-    session = getattr(binding, "session", None)
-    if not isinstance(session, ThreadedSession):
+    rendezvous = getattr(binding, "session", None)
+    if not isinstance(rendezvous, ThreadedRendezvous):
         return  # not a rank thread of the threaded world (or no run)
     old = module.__dict__.get(name, _MISSING)
     if old is _MISSING or old is value:
@@ -210,7 +208,7 @@ def _note_write(module: types.ModuleType, name: str, value: Any) -> None:
         return  # the interpreter's bookkeeping (warnings.catch_warnings restores warnings.filters), not the code under test
     if sys._getframe(2).f_code.co_name == "<module>":
         return  # a module's import-time code (torch._dynamo wraps torch.manual_seed when first imported): as in a process
-    session.note_module_write(module.__name__, name, binding.rank)
+    rendezvous.note_module_write(module.__name__, name, binding.rank)
 
 
 def watch_module_writes() -> None:

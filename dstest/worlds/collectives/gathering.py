@@ -1,7 +1,7 @@
 """The gathering and exchanging collectives: all_gather (list and tensor), gather, scatter, all_to_all
 (list and single tensor), and barrier.
 
-Each class is one rank's side of one collective (see :mod:`dstest.worlds._collectives`): what it checks
+Each class is one rank's side of one collective (see :mod:`dstest.worlds.collectives`): what it checks
 alone, what it must share with its peers, and how its result is formed and delivered.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from dstest.errors import InvalidArgument
-from dstest.worlds._collectives.base import (
+from dstest.worlds.collectives.base import (
     Call,
     _check_root,
     _large,

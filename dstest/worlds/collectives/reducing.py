@@ -1,6 +1,6 @@
 """The reducing collectives and broadcast: all_reduce, reduce, broadcast, reduce_scatter (list and tensor).
 
-Each class is one rank's side of one collective (see :mod:`dstest.worlds._collectives`): what it checks
+Each class is one rank's side of one collective (see :mod:`dstest.worlds.collectives`): what it checks
 alone, what it must share with its peers, and how its result is formed and delivered.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from dstest.errors import InvalidArgument
-from dstest.worlds._collectives.base import (
+from dstest.worlds.collectives.base import (
     _REDUCE_OPS,
     Call,
     _check_root,

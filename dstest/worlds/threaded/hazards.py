@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dstest.worlds._collectives.base import raw_writes
+from dstest.worlds.collectives.base import raw_writes
 
 __all__ = ["POISON_BYTE", "guard_call", "guard_recv", "poison", "poison_value"]
 
@@ -73,7 +73,7 @@ def _copy_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], N
 
 
 def guard_call(call: Any) -> Callable[[], None] | None:
-    """Give ``call`` (a ``_collectives.Call`` as it is posted) private copies of its inputs and private
+    """Give ``call`` (a ``collectives.Call`` as it is posted) private copies of its inputs and private
     outputs, and poison the caller's outputs; returns what the wait runs to copy the result in (None
     when the call has no output on this rank)."""
     op = call.op
@@ -113,7 +113,7 @@ def guard_call(call: Any) -> Callable[[], None] | None:
 
 
 def guard_recv(wait: Any) -> None:
-    """Make a recv (a ``_session.P2PWait`` not yet posted) land in a private buffer, copied into the
+    """Make a recv (a ``waits.P2PWait`` not yet posted) land in a private buffer, copied into the
     caller's tensor when the rank waits; poison the caller's tensor until then."""
     user = wait.tensor
     buffer = torch.empty_like(user)

@@ -1,4 +1,4 @@
-"""dstest's c10d backend: process groups whose collectives go to a world's session instead of a network.
+"""dstest's c10d backend: process groups whose collectives go to a world's rendezvous instead of a network.
 
 A ``Group`` is one rank's handle on one group, created by torch through the registered backend (so
 ``dist.new_group``, ``DeviceMesh``, DTensor, FSDP2 and functional collectives all build and use them as
@@ -8,7 +8,7 @@ every collective as c10d calls it. A group object that reaches another rank's th
 cache, a default argument evaluated once) acts for the calling rank where that rank has the same group,
 and raises naming both ranks where it has not.
 
-The threaded and the fake world share this module; they differ in the session they bind (``binding``).
+The threaded and the fake world share this module; they differ in the rendezvous they bind (``binding``).
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ import torch
 import torch.distributed as dist
 
 from dstest.errors import InvalidArgument
-from dstest.worlds import _collectives as C
-from dstest.worlds import torch_internals as _compat
-from dstest.worlds._session import Done, P2PWait, Waitable
+from dstest.worlds import collectives as C
+from dstest.worlds import torch_internals
 from dstest.worlds.core import c10d
 from dstest.worlds.core.faults import Delay, Fail
+from dstest.worlds.threaded.waits import Done
+from dstest.worlds.threaded.work import Work
 
 __all__ = [
     "BACKEND_NAME",
     "Group",
-    "Work",
     "binding",
     "calling_rank",
     "rank_process_group",
@@ -49,11 +49,11 @@ _register_lock = threading.Lock()
 def register_backend() -> None:
     """Register the c10d backend once per process; idempotent, never an import side effect."""
     with _register_lock:
-        if _compat.backend_registered(BACKEND_NAME):
+        if torch_internals.backend_registered(BACKEND_NAME):
             return
         devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
         dist.Backend.register_backend(BACKEND_NAME, _create_group, extended_api=True, devices=devices)
-        _compat.declare_self_recording(BACKEND_NAME)
+        torch_internals.declare_self_recording(BACKEND_NAME)
 
 
 def _create_group(opts: Any, pg_options: Any) -> dist.ProcessGroup:
@@ -91,13 +91,13 @@ def rank_process_group(
 ) -> Iterator[None]:
     """On a rank thread: its own c10d state and default group on ``session`` for the block, both gone
     afterwards (the threaded and the fake world start every rank thread this way)."""
-    _compat.create_thread_caches()
+    torch_internals.create_thread_caches()
     c10d_world.bind()
     binding.session, binding.rank, binding.device = session, rank, device
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device.index or 0)
-        _compat.init_rank_process_group(
+        torch_internals.init_rank_process_group(
             backend=BACKEND_NAME, rank=rank, world_size=session.world_size, store=session.store, timeout=timeout
         )
         yield
@@ -108,48 +108,10 @@ def rank_process_group(
         finally:
             binding.__dict__.clear()
             c10d_world.unbind()
-            _compat.release_thread_caches()
+            torch_internals.release_thread_caches()
 
 
-class Work(_compat.WorkBase):  # type: ignore[misc]
-    """The handle a collective returns; ``wait()`` joins the rendezvous and copies this rank's result."""
-
-    def __init__(self, waitable: Waitable) -> None:
-        super().__init__()
-        self._waitable = waitable
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        self._waitable.session.wait(self._waitable)
-        return True
-
-    def is_completed(self) -> bool:
-        w = self._waitable
-        if not w.done:
-            return False
-        if w.error is None:  # polled complete: the caller may read the result now (as with gloo)
-            w.session.consume(w)
-        return True
-
-    def is_success(self) -> bool:
-        return self.is_completed() and self._waitable.error is None
-
-    def exception(self) -> BaseException | None:
-        return self._waitable.error
-
-    def result(self) -> list[torch.Tensor]:
-        return self._waitable.outputs()
-
-    def source_rank(self) -> int:
-        w = self._waitable
-        return w.peer if isinstance(w, P2PWait) else -1
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        source, handed_out = _compat.linked_future()  # failed in C++ too when the call fails (DDP's reducer)
-        self._waitable.session.hand_out_future(self._waitable, source)
-        return handed_out
-
-
-class _Tensors(_compat.OptionsReader):
+class _Tensors(torch_internals.OptionsReader):
     """The threaded world hands a ``Call`` the rank's own tensors (see :class:`dstest.worlds.core.c10d.Buffers`)."""
 
     one = staticmethod(c10d.one_tensor)
@@ -265,7 +227,7 @@ class Group(dist.ProcessGroup):
 
     def get_group_store(self) -> Any:
         """The world's rendezvous store under this group's name (what torch records for a split group)."""
-        return _compat.prefix_store(f"{self._name}/", self.session.store)
+        return torch_internals.prefix_store(f"{self._name}/", self.session.store)
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -345,7 +307,7 @@ class Group(dist.ProcessGroup):
             peer = args[method.params[1]]
             return Work(g.session.post_p2p(g, method.name, t, int(peer), int(args["tag"])))
         if args["opts"] is None:
-            args["opts"] = _compat.c10d_options(method.options)
+            args["opts"] = torch_internals.c10d_options(method.options)
         if method.kind == "coalesced":
             # Coalesced forms run as consecutive collectives on the group, in list order, on every rank.
             part = getattr(g, method.part)

@@ -24,7 +24,7 @@ tensor all-reduced with a ``[1]``, is a correct program on both (DeepSpeed's pip
 first). The shapes still show in every call's description and trace. ``strict_shapes`` (a run option,
 ``--dstest-strict-shapes``) also refuses calls whose shapes differ.
 
-One small class per c10d collective, with the same four steps, which both the threaded world's session
+One small class per c10d collective, with the same four steps, which both the threaded world's rendezvous
 and the process world's referee read: :mod:`.base` (the ``Call`` base class, copies and reductions),
 :mod:`.reducing` (all_reduce, reduce, broadcast, reduce_scatter) and :mod:`.gathering` (all_gather,
 gather, scatter, all_to_all, barrier). This package re-exports them all, with :data:`CALLS` (op name ->
@@ -35,7 +35,7 @@ ranks is the checking core's (:mod:`dstest.worlds.core.matching`).
 from __future__ import annotations
 
 from dstest.errors import CollectiveMismatch
-from dstest.worlds._collectives.base import (
+from dstest.worlds.collectives.base import (
     IN_PLACE_BYTES,
     Call,
     PremulSum,
@@ -48,12 +48,12 @@ from dstest.worlds._collectives.base import (
     reduce_into,
     reduce_tensors,
 )
-from dstest.worlds._collectives.base import _check_root as _check_root
-from dstest.worlds._collectives.base import _large as _large
-from dstest.worlds._collectives.base import _outputs_apart as _outputs_apart
-from dstest.worlds._collectives.base import _shapes as _shapes
-from dstest.worlds._collectives.base import _storage as _storage
-from dstest.worlds._collectives.gathering import (
+from dstest.worlds.collectives.base import _check_root as _check_root
+from dstest.worlds.collectives.base import _large as _large
+from dstest.worlds.collectives.base import _outputs_apart as _outputs_apart
+from dstest.worlds.collectives.base import _shapes as _shapes
+from dstest.worlds.collectives.base import _storage as _storage
+from dstest.worlds.collectives.gathering import (
     AllGather,
     AllGatherIntoTensor,
     AllToAll,
@@ -62,7 +62,7 @@ from dstest.worlds._collectives.gathering import (
     Gather,
     Scatter,
 )
-from dstest.worlds._collectives.reducing import AllReduce, Broadcast, Reduce, ReduceScatter, ReduceScatterTensor
+from dstest.worlds.collectives.reducing import AllReduce, Broadcast, Reduce, ReduceScatter, ReduceScatterTensor
 from dstest.worlds.core.matching import mismatch_text
 
 __all__ = [

@@ -1,9 +1,12 @@
-"""Failure reports of a world run, and stopping rank threads: shared by every world that runs threads.
+"""Stopping the threads of a world run and reading their stacks: shared by every world that runs threads
+(the threaded and the fake world's ranks, the launched world's readers) and by the reports of the process
+world (its workers' stacks).
 
 Rank threads never format anything: they record the exception, and the caller's thread formats every
 report after the ranks have stopped, under one lock (CPython 3.11 computes traceback carets with
-``ast.parse``, which is not safe to run from several threads at once). Threads that cannot be stopped
-(stuck in C code) are named in the report, never reused, and counted (:func:`stuck_threads`).
+``ast.parse``, which is not safe to run from several threads at once; :func:`format_exception`,
+:func:`stacks_of`). Threads that cannot be stopped (stuck in C code) are named in the report, never reused,
+and counted (:func:`stuck_threads`). Torch-free: the process world's parent imports it.
 """
 
 from __future__ import annotations
@@ -17,10 +20,17 @@ import traceback
 from types import FrameType
 from typing import Any
 
-from dstest.errors import RankFailure, WorldAborted, WorldTimeout
-from dstest.worlds import build_locks
+from dstest.errors import WorldAborted
 
-__all__ = ["Outcome", "format_stacks", "reap", "stacks_of", "stuck_threads", "timeout_error"]
+__all__ = [
+    "current_frames",
+    "format_exception",
+    "format_stacks",
+    "interrupt",
+    "reap",
+    "stacks_of",
+    "stuck_threads",
+]
 
 _FORMAT_LOCK = threading.Lock()
 _STUCK: list[threading.Thread] = []
@@ -35,62 +45,13 @@ def stuck_threads() -> list[str]:
 
 
 def format_exception(exc: BaseException) -> str:
+    """``exc`` with its traceback, formatted under the one lock every report takes."""
     with _FORMAT_LOCK:
         return "".join(traceback.format_exception(exc))
 
 
-class Outcome:
-    """Per-run results and failures of every rank.
-
-    A failure is *primary* when it happened before the world was aborted (the first real error and any
-    that raced with it), and a *consequence* when the rank failed because of the abort (WorldAborted, or
-    an error a future delivered after it). Primary failures come first in the report.
-    """
-
-    def __init__(self, world_size: int, label: str = "") -> None:
-        self.world_size = world_size
-        self.label = label  # e.g. " in the process world of 2 ranks (gloo)"
-        self.results: list[Any] = [None] * world_size
-        self.failures: dict[int, BaseException] = {}
-        self.order: list[int] = []
-        self.consequences: set[int] = set()
-        self.lock = threading.Lock()
-
-    def fail(self, rank: int, exc: BaseException, *, consequence: bool = False) -> None:
-        with self.lock:
-            if rank in self.failures:
-                return
-            self.failures[rank] = exc
-            self.order.append(rank)
-            if consequence or isinstance(exc, WorldAborted):
-                self.consequences.add(rank)
-
-    def error(self, notes: str = "") -> RankFailure | None:
-        """The report of every failure, primary ones first (formatted here, on the caller's thread)."""
-        with self.lock:
-            failures, order, consequences = dict(self.failures), list(self.order), set(self.consequences)
-        if not failures:
-            return None
-        primary = [r for r in order if r not in consequences]
-        shown = primary or order
-        tracebacks = {r: format_exception(failures[r]) for r in order}
-        head = "; ".join(f"rank {r}: {type(failures[r]).__name__}: {failures[r]}".splitlines()[0] for r in shown)
-        body = "\n".join(f"---- rank {r} ----\n{tracebacks[r]}" for r in shown)
-        aborted = sorted(set(order) - set(shown))
-        tail = f"\nranks {aborted} were aborted because of the failure above" if aborted else ""
-        return RankFailure(
-            f"{len(shown)} of {self.world_size} ranks failed{self.label}: {head}\n{body}{tail}{notes}",
-            {r: tracebacks[r] for r in sorted(failures)},
-            {r: failures[r] for r in sorted(failures)},
-        )
-
-    def raise_failures(self, notes: str = "") -> None:
-        err = self.error(notes)
-        if err is not None:
-            raise err
-
-
-def _current_frames() -> dict[int, FrameType]:
+def current_frames() -> dict[int, FrameType]:
+    """Every thread's current frame (``sys._current_frames``), taken safely."""
     # CPython 3.11 (gh-106883): a garbage collection triggered inside sys._current_frames() while it holds
     # the runtime's thread-list lock can finalize a threading.local, which takes that lock again: the
     # process hangs. Keep the collector off for the call.
@@ -105,7 +66,7 @@ def _current_frames() -> dict[int, FrameType]:
 
 def stacks_of(threads: list[threading.Thread], frames: dict[int, FrameType] | None = None) -> dict[int, str]:
     if frames is None:
-        frames = _current_frames()
+        frames = current_frames()
     out = {}
     with _FORMAT_LOCK:
         for rank, t in enumerate(threads):
@@ -117,29 +78,6 @@ def stacks_of(threads: list[threading.Thread], frames: dict[int, FrameType] | No
 
 def format_stacks(stacks: dict[int, str]) -> str:
     return "\n".join(f"---- rank {r} stack ----\n{s}" for r, s in sorted(stacks.items()))
-
-
-def timeout_error(
-    threads: list[threading.Thread], world_size: int, timeout: float, hung: list[int], outcome: Outcome | None = None
-) -> WorldTimeout:
-    frames = _current_frames()
-    stacks = stacks_of(threads, frames)
-    first = ""
-    if outcome is not None:
-        err = outcome.error()
-        if err is not None:
-            first = f"before the timeout: {err}\n"
-    # A rank waiting on a torch extension's build lock, or building: say which lock and whose (issue 40).
-    builds = build_locks.survey(
-        {r: s for r, s in stacks.items() if r in hung}, waited=build_locks.waited_locks(threads, frames)
-    )
-    headline = "" if builds is None else f"; {builds.headline()}"
-    notes = "" if builds is None else builds.report(stopped=False) + "\n"
-    return WorldTimeout(
-        f"world of {world_size} ranks ran past its timeout of {timeout:g} s; "
-        f"ranks still running: {hung}{headline}\n{first}{notes}" + format_stacks(stacks),
-        stacks,
-    )
 
 
 def _async_raise(thread: threading.Thread, exc: type[BaseException]) -> None:

@@ -1,7 +1,7 @@
 """The rendezvous of one world run: collectives matched by (group, sequence number), transfers, waits.
 
-Shared by the threaded world (real data) and, through the same interface (``arrive``, ``post_p2p``,
-``wait``), by the fake world. Every wait a rank can make goes through :meth:`Session.wait` or through a
+The threaded world's groups (:mod:`.group`) post every call here (the fake world binds the same groups to
+a stand-in with the same interface: ``arrive``, ``post_p2p``, ``wait``). Every wait a rank can make goes through :meth:`Rendezvous.wait` or through a
 future handed out by ``Work.get_future()``; both are seen by the deadlock check:
 
 - when every rank still running waits and none of the waits can complete, every wait fails with the
@@ -14,7 +14,7 @@ future handed out by ``Work.get_future()``; both are seen by the deadlock check:
   error, as gloo and NCCL raise when a peer is gone) instead of a mismatch; so do the sides of a
   collective a ``Fail`` broke.
 
-What a rank leaves behind is checked when it finishes (:meth:`Session.rank_done`): work it posted that no
+What a rank leaves behind is checked when it finishes (:meth:`Rendezvous.rank_done`): work it posted that no
 rank matched or that it never waited, and errors dstest raised into its code that the code caught. Each
 is a failure of that rank, so no run passes with unmatched work or a swallowed mismatch.
 
@@ -23,7 +23,7 @@ every rank's outputs (``Call.deliver``, reading the inputs in place where they c
 and wakes the ranks that sleep on it by releasing one lock each; a woken rank only returns. Outputs are
 thus written when the collective completes, as gloo's and NCCL's background work writes them, not when
 each rank waits. A wait allocates its wake-up lock only when it has to sleep; all state changes happen
-under the session lock.
+under the rendezvous lock.
 
 The rules themselves (matching by group and sequence number, a rank that finished while others wait on
 it, deadlocks, and the texts of these errors) are the checking core's (:mod:`dstest.worlds.core.matching`),
@@ -41,10 +41,8 @@ from typing import Any
 import torch
 
 import dstest.trace as _trace
-from dstest.errors import CollectiveMismatch, UnfinishedWork, WorkAborted, WorldAborted
-from dstest.worlds import _collectives as C
-from dstest.worlds import _hazards
-from dstest.worlds import torch_internals as _compat
+from dstest.errors import CollectiveMismatch, UnfinishedWork, WorldAborted
+from dstest.worlds import collectives as C
 from dstest.worlds.core import c10d, matching
 from dstest.worlds.core.faults import (
     Fault,
@@ -57,133 +55,13 @@ from dstest.worlds.core.faults import (
     plan_for,
 )
 from dstest.worlds.core.matching import FINISHED, Exchange
-from dstest.worlds.injected import InjectedFault, RankKilled
+from dstest.worlds.injected import InjectedFault
+from dstest.worlds.threaded.failures import RankKilled
+from dstest.worlds.threaded.hazards import guard_call, guard_recv
+from dstest.worlds.threaded.waits import CollectiveWait, P2PWait, Waitable
+from dstest.worlds.torch_internals import hash_store
 
-__all__ = ["Done", "Session", "Waitable"]
-
-
-class Waitable:
-    """Something a rank can wait on: one side of a collective or of a point-to-point transfer.
-
-    ``done`` and ``error`` change only under the session lock (:meth:`complete`); reading ``done``
-    without it is safe (it only ever goes from False to True).
-    """
-
-    where = ""
-    record: _trace.CallRecord | None = None  # what the run's recorder keeps of this call (see _trace)
-    after: Any = None  # with async hazards: copies the result into the caller's tensors at the wait
-
-    def __init__(self, session: Any, global_rank: int) -> None:
-        self.session = session
-        self.global_rank = global_rank
-        self.done = False
-        self.error: BaseException | None = None
-        self.futures: list[torch.futures.Future[Any]] | None = None
-        self._waiter: Any = None  # a held lock while the rank sleeps on this wait (see Session.wait)
-
-    def describe(self) -> str:
-        raise NotImplementedError
-
-    def waiting_for(self) -> list[int]:
-        """Global ranks whose action this wait still needs."""
-        raise NotImplementedError
-
-    def outputs(self) -> list[torch.Tensor]:
-        return []
-
-    def complete(self, error: BaseException | None = None) -> None:
-        """Under the session lock: mark done, wake the rank sleeping on it, resolve handed-out futures."""
-        if self.done:
-            return
-        self.error = self.error or error
-        if self.record is not None:
-            self.record.finished(self.error)
-        self.done = True
-        waiter = self._waiter
-        if waiter is not None:
-            pending = getattr(self.session, "pending", None)
-            if pending is not None and pending.get(self.global_rank) is self:
-                del pending[self.global_rank]
-            waiter.release()
-        if self.futures:
-            for fut in self.futures:
-                self._resolve(fut)
-
-    def _resolve(self, fut: torch.futures.Future[Any]) -> None:
-        if self.error is not None:
-            # torch futures take Exceptions only; an abort reaches the waiter as WorkAborted.
-            err = self.error if isinstance(self.error, Exception) else WorkAborted(str(self.error))
-            self.session.note_raised(self.global_rank, err)
-            fut.set_exception(err)
-            return
-        if self.after is not None:
-            self.after()
-        fut.set_result(self.outputs())
-
-
-class CollectiveWait(Waitable):
-    def __init__(self, session: Session, global_rank: int, call: C.Call, exchange: Exchange) -> None:
-        # Waitable.__init__'s fields set here directly: one of these is made per rank per collective.
-        self.session = session
-        self.global_rank = global_rank
-        self.done = False
-        self.error = None
-        self.futures = None
-        self._waiter = None
-        self.call = call
-        self.exchange = exchange
-
-    @property
-    def where(self) -> str:  # type: ignore[override]
-        return self.exchange.where
-
-    def describe(self) -> str:
-        return f"{self.call.describe()} on {self.where}"
-
-    def waiting_for(self) -> list[int]:
-        return self.exchange.waiting_for()
-
-    def outputs(self) -> list[torch.Tensor]:
-        return self.call.outputs()
-
-
-class P2PWait(Waitable):
-    def __init__(
-        self, session: Session, global_rank: int, kind: str, tensor: torch.Tensor, peer: int, where: str, tag: int
-    ) -> None:
-        super().__init__(session, global_rank)
-        self.where = where
-        self.kind = kind
-        self.tensor = tensor
-        self.peer = peer
-        self.tag = tag
-
-    def describe(self) -> str:
-        return matching.p2p_describe(self.kind, self.tensor, self.peer, self.tag, self.where)
-
-    def waiting_for(self) -> list[int]:
-        return [] if self.done else [self.peer]
-
-    def outputs(self) -> list[torch.Tensor]:
-        return [self.tensor]
-
-
-class Done(Waitable):
-    """Work that is complete when it is made (coalesced forms, the fake world)."""
-
-    def __init__(self, session: Any, rank: int, tensors: list[torch.Tensor]) -> None:
-        super().__init__(session, rank)
-        self._tensors = tensors
-        self.done = True
-
-    def describe(self) -> str:
-        return "completed"
-
-    def waiting_for(self) -> list[int]:
-        return []
-
-    def outputs(self) -> list[torch.Tensor]:
-        return self._tensors
+__all__ = ["Rendezvous"]
 
 
 class _RankState:
@@ -207,13 +85,13 @@ def _caught_where(err: BaseException) -> str:
     return f"{frame.filename}:{frame.lineno} (in {frame.name})"
 
 
-class Session:
+class Rendezvous:
     """Rendezvous state, abort flag and bookkeeping of one world run."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.lock = threading.Lock()
-        self.store = _compat.hash_store()
+        self.store = hash_store()
         self.exchanges: dict[tuple[Any, ...], Exchange] = {}
         self.p2p = matching.Transfers()  # of P2PWait
         self.pending: dict[int, Waitable] = {}  # global rank -> what it is blocked on
@@ -244,7 +122,7 @@ class Session:
             self.fired, self.killed, self.failed_exchanges = [], {}, {}
 
     def reset(self) -> None:
-        """Start a new run on a warm session (called while no rank is inside a run)."""
+        """Start a new run on a warm rendezvous (called while no rank is inside a run)."""
         with self.lock:
             self.done.clear()
             self.pending.clear()
@@ -254,7 +132,7 @@ class Session:
             self.faults, self.fired, self.killed, self.failed_exchanges = None, [], {}, {}
 
     def leftovers(self) -> bool:
-        """Whether a run left a collective or a transfer half done (then the session cannot be reused)."""
+        """Whether a run left a collective or a transfer half done (then the rendezvous cannot be reused)."""
         with self.lock:
             return bool(self.exchanges) or bool(self.p2p)
 
@@ -322,7 +200,7 @@ class Session:
         key = (group.key, seq)
         mine = call.key()  # outside the lock
         record = self.recorder.collective(group, call, seq, group.owner)
-        after = _hazards.guard_call(call) if self.hazards else None
+        after = guard_call(call) if self.hazards else None
         with self.lock:
             if self.aborted is not None:
                 self._check_alive()
@@ -398,7 +276,7 @@ class Session:
         wait = P2PWait(self, group.global_ranks[me], kind, tensor, group.global_ranks[peer], where, tag)
         record = wait.record = self.recorder.p2p(group, kind, tensor, wait.peer, tag, wait.global_rank)
         if self.hazards and kind == "recv":
-            _hazards.guard_recv(wait)
+            guard_recv(wait)
         with self.lock:
             self._check_alive()
             if wait.peer in self.done:
@@ -437,7 +315,7 @@ class Session:
             if not waitable.done:
                 self._check_alive(rank)
                 # Sleep on a lock of its own: complete() releases it (and drops the pending entry) under
-                # the session lock, so a woken rank takes no lock on its way out.
+                # the rendezvous lock, so a woken rank takes no lock on its way out.
                 waiter = waitable._waiter = allocate_lock()
                 waiter.acquire()
                 self.pending[rank] = waitable

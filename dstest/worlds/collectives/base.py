@@ -1,7 +1,7 @@
 """What every collective shares: the ``Call`` base class, buffer copies, reductions, aliasing checks.
 
 Split from the per-collective classes (:mod:`.reducing`, :mod:`.gathering`) so that each file stays one
-readable unit; :mod:`dstest.worlds._collectives` re-exports every name (``C.AllReduce``, ``C.reduce_tensors``).
+readable unit; :mod:`dstest.worlds.collectives` re-exports every name (``C.AllReduce``, ``C.reduce_tensors``).
 The signature two ranks' buffers must share and the description of a buffer are the checking core's
 (:mod:`dstest.worlds.core.matching`), which compares them without torch.
 """
@@ -16,7 +16,9 @@ import torch
 from dstest.errors import InvalidArgument
 from dstest.worlds.core.matching import describe_tensor
 from dstest.worlds.core.matching import signature as _sig
-from dstest.worlds.torch_internals import raw_writes as _compat  # the module: the package imports this one
+
+# the module, not the package: the package imports this one
+from dstest.worlds.torch_internals.raw_writes import below_autograd, foreach_copy, set_version_counters
 
 __all__ = [
     "IN_PLACE_BYTES",
@@ -43,7 +45,7 @@ def raw_writes() -> Any:
     and a tensor saved for backward is not marked as changed. Every copy of a collective's data in the
     threaded world runs in this context; where gloo's C++ does copy through torch's dispatcher, the
     version change that copy makes is applied afterwards (:meth:`Call.bump_versions`)."""
-    return _compat.below_autograd()
+    return below_autograd()
 
 
 def bump_versions(tensors: Sequence[torch.Tensor], times: int, *, apart: bool = False) -> None:
@@ -55,10 +57,10 @@ def bump_versions(tensors: Sequence[torch.Tensor], times: int, *, apart: bool = 
         return
     ts = [t for t in tensors if not t.is_inference()]
     if apart:
-        _compat.set_version_counters(tuple(ts), tuple(t._version + times for t in ts))
+        set_version_counters(tuple(ts), tuple(t._version + times for t in ts))
         return
     for t in ts:
-        _compat.set_version_counters((t,), (t._version + times,))
+        set_version_counters((t,), (t._version + times,))
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
@@ -75,7 +77,7 @@ def copy_tensors(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> 
     srcs = [raw(s if s.shape == d.shape else s.reshape(d.shape)) for d, s in zip(dsts, srcs)]  # flat buffers
     if len(dsts) > 8:
         try:
-            _compat.foreach_copy(list(dsts), srcs)
+            foreach_copy(list(dsts), srcs)
             return
         except (RuntimeError, TypeError):
             pass  # mixed devices or dtypes it does not take: one copy at a time (raises what copy_ raises)
