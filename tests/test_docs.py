@@ -1,5 +1,7 @@
-"""The documentation under docs/ and the README: contract citations resolve, the README stays short, the
-options table is complete, and the site builds with ``mkdocs build --strict``.
+"""The documentation under docs/ and the README: contract citations resolve (in the code and in the pages), the
+README stays short, the options table is complete, every page is in the nav, no page names a path of one
+machine or installs dstest from a package index, the modules pages name exist, and the site builds with
+``mkdocs build --strict``.
 
 Nothing here imports torch: the options come from ``pytest --help`` and ``dstest --help`` run in
 subprocesses, the citations from the source text.
@@ -150,6 +152,117 @@ def test_the_readme_is_under_1200_words() -> None:
     assert words < README_MAX_WORDS, (
         f"README.md has {words} words; keep it under {README_MAX_WORDS} and move detail into docs/"
     )
+
+
+# -- the pages ---------------------------------------------------------------------------------------------------
+#: The pages a reader sees: every page of docs/ and the README.
+PAGES = [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]
+#: Pages that keep measurements as they were taken, each with its commit: the module paths they name are those
+#: of that commit, not of today's tree.
+HISTORICAL_PAGES = {"results.md"}
+
+
+def _prose_lines(path: Path) -> list[tuple[int, str]]:
+    """The numbered lines of a page, without its fenced code blocks (examples may print anything)."""
+    lines: list[tuple[int, str]] = []
+    fenced = False
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        elif not fenced:
+            lines.append((lineno, line))
+    return lines
+
+
+def test_every_code_fence_of_a_page_is_closed() -> None:
+    """A fence left open turns the rest of a page into one code block, headings and their anchors included."""
+    open_at = {}
+    for path in PAGES:
+        fence_line = 0
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.lstrip().startswith(("```", "~~~")):
+                fence_line = 0 if fence_line else lineno
+        if fence_line:
+            open_at[str(path.relative_to(ROOT))] = fence_line
+    assert not open_at, f"code fences opened and never closed (page: line): {open_at}"
+
+
+def test_no_page_names_a_path_of_the_machine_it_was_written_on() -> None:
+    """A page tells any reader what to run: no home directory, venv or work tree of one machine."""
+    machine_path = re.compile(r"(?<![\w.~$}])/(?:work|home|root|Users|mnt|scratch)/")
+    found = [
+        f"{path.relative_to(ROOT)}:{lineno}: {line.strip()[:100]}"
+        for path in PAGES
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if machine_path.search(line)
+    ]
+    assert not found, "paths of one machine (write a placeholder such as DS_CHECKOUT, or none):\n" + "\n".join(found)
+
+
+def test_every_contract_a_page_names_has_a_section() -> None:
+    """Every token of the form A4 / E13 in a page's prose is a contract with a heading in docs/contracts.md.
+
+    The pages name contracts in plain words ("A1-A5 and A7 pass"), not only as links, so every such token counts.
+    """
+    anchors = contract_anchors()
+    found = {
+        f"{path.relative_to(ROOT)}:{lineno}: {token}"
+        for path in PAGES
+        for lineno, line in _prose_lines(path)
+        for token in re.findall(r"\b[A-H][0-9]{1,2}\b", line)
+        if token not in anchors
+    }
+    assert not found, "contracts named without a section in docs/contracts.md:\n" + "\n".join(sorted(found))
+
+
+def _nav_pages() -> list[str]:
+    """The pages mkdocs.yml's nav lists, in order (``- Title: page.md`` or ``- page.md``)."""
+    text = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    nav = text[text.index("\nnav:") :]
+    return re.findall(r"^\s*-\s+(?:[^:\n]+:\s+)?([\w./-]+\.md)\s*$", nav, re.MULTILINE)
+
+
+def test_every_page_is_in_the_nav_once_and_every_nav_entry_is_a_page() -> None:
+    nav = _nav_pages()
+    pages = sorted(p.name for p in DOCS.glob("*.md"))
+    assert sorted(set(nav)) == pages, (
+        f"in docs/ but not in mkdocs.yml's nav: {sorted(set(pages) - set(nav))}; "
+        f"in the nav but not in docs/: {sorted(set(nav) - set(pages))}"
+    )
+    twice = sorted({n for n in nav if nav.count(n) > 1})
+    assert not twice, f"pages listed twice in mkdocs.yml's nav: {twice}"
+
+
+def test_no_page_installs_dstest_from_a_package_index() -> None:
+    """dstest is not on a package index: a page installs it from a checkout or from a wheel built from one."""
+    found = []
+    for path in PAGES:
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for command in re.findall(r"pip install ([^`;&|]*)", line):
+                for word in command.split():
+                    if re.fullmatch(r"""['"]?dstest(\[[\w,-]+\])?([<>=!~].*)?['"]?""", word):
+                        found.append(f"{path.relative_to(ROOT)}:{lineno}: pip install {command.strip()}")
+    assert not found, (
+        "dstest installed by name, as if it were on an index (use `pip install -e '.[extra]'` in a checkout, "
+        "or a wheel built from one):\n" + "\n".join(found)
+    )
+
+
+def test_the_modules_a_page_names_exist() -> None:
+    """A module or package of dstest named in a page (``dstest/worlds/core/matching.py``) is where the page
+    says, so that pages follow modules that move. (Paths under tests/ or impl/ are not checked: pages also name
+    other projects' files, such as DeepSpeed's ``tests/unit/common.py``.)"""
+    missing = []
+    for path in PAGES:
+        if path.name in HISTORICAL_PAGES:
+            continue
+        for lineno, line in _prose_lines(path):
+            for code in re.findall(r"`([^`]+)`", line):
+                for name in re.findall(r"(?<![\w./-])(dstest/[\w./*-]*)", code):
+                    name = name.rstrip(".")
+                    if not list(ROOT.glob(name.rstrip("/"))):
+                        missing.append(f"{path.relative_to(ROOT)}:{lineno}: {name}")
+    assert not missing, "modules named in the pages that are not in the repository:\n" + "\n".join(missing)
 
 
 # -- options ---------------------------------------------------------------------------------------------------
