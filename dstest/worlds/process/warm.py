@@ -15,7 +15,7 @@ from dstest.errors import (
 )
 from dstest.worlds.process.launch import _stop_fork_server
 from dstest.worlds.process.messages import _STOP, _PoolKey
-from dstest.worlds.process.pool import _Pool
+from dstest.worlds.process.pool import Pool
 
 #: The environment variable that caps the worker processes kept warm, all pools of this process together:
 #: an integer >= 0 (0 keeps none: every world runs cold). Read at each run.
@@ -30,19 +30,19 @@ DEFAULT_MAX_WARM_WORKERS = max(32, 4 * (os.cpu_count() or 1))
 
 # The pools are process-wide on purpose: keeping workers warm across World objects and tests is the whole
 # point. They are reached only through _pool_for / shutdown_all, under _POOLS_LOCK.
-_POOLS: dict[_PoolKey, _Pool] = {}
+_POOLS: dict[_PoolKey, Pool] = {}
 _POOLS_LOCK = threading.Lock()
-_COLD: set[_Pool] = set()  # pools of cold runs in progress (stopped by shutdown_all too)
+_COLD: set[Pool] = set()  # pools of cold runs in progress (stopped by shutdown_all too)
 _ATEXIT_REGISTERED = False
 
 
-def _pool_for(key: _PoolKey, world_name: str, cap: int) -> _Pool:
+def _pool_for(key: _PoolKey, world_name: str, cap: int) -> Pool:
     global _ATEXIT_REGISTERED
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
         if pool is None or pool.closed:
             _evict_for(key.world_size, cap)
-            pool = _POOLS[key] = _Pool(key, world_name).start()
+            pool = _POOLS[key] = Pool(key, world_name).start()
         if not _ATEXIT_REGISTERED:
             atexit.register(shutdown_all)
             _ATEXIT_REGISTERED = True
@@ -92,11 +92,11 @@ def _evict_for(extra: int, cap: int) -> None:
             total -= pool.key.world_size
 
 
-def _replace(pool: _Pool) -> None:
+def _replace(pool: Pool) -> None:
     """Start a fresh pool in place of a closed one, now, so that it warms up while other tests run."""
     with _POOLS_LOCK:
         if _POOLS.get(pool.key) is pool and not pool.start_failed:
-            _POOLS[pool.key] = _Pool(pool.key, pool.world_name).start()
+            _POOLS[pool.key] = Pool(pool.key, pool.world_name).start()
 
 
 def shutdown_all() -> None:
@@ -111,7 +111,7 @@ def shutdown_all() -> None:
                 w.conn.send_bytes(_STOP)
     for pool in pools:
         if not pool.closed:
-            pool._reap(grace=2.0)
+            pool.reap(grace=2.0)
     _stop_fork_server()
 
 

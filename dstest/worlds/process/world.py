@@ -15,7 +15,7 @@ from dstest.errors import (
     UnguardedMain,
 )
 from dstest.worlds.process.messages import _FnRef, _PoolKey
-from dstest.worlds.process.pool import _Pool
+from dstest.worlds.process.pool import Pool
 from dstest.worlds.process.refs import _reference
 from dstest.worlds.process.warm import _COLD, _POOLS_LOCK, _pool_for, _replace, warm_worker_cap
 from dstest.worlds.request import RunRequest
@@ -30,7 +30,7 @@ def _run_cold(
 ) -> list[Any]:
     """One run on a pool of its own that is stopped after it (a world larger than the warm cap)."""
     __tracebackhide__ = True
-    pool = _Pool(key, world_name).start()
+    pool = Pool(key, world_name).start()
     with _POOLS_LOCK:
         _COLD.add(pool)
     try:
@@ -215,7 +215,7 @@ class ProcessWorld:
         key = _PoolKey(self.backend, self.device, world_size)
         cap = warm_worker_cap(self.max_warm_workers)
         if world_size > cap:  # nothing is kept: measure a cold start
-            cold = _Pool(key, self.name).start()
+            cold = Pool(key, self.name).start()
             try:
                 cold.wait_ready()
             finally:
