@@ -31,7 +31,7 @@ from dstest.errors import (
 from dstest.worlds import process
 from dstest.worlds.process import ProcessWorld, checked, pool_pids
 from dstest.worlds.process.messages import _PoolKey
-from dstest.worlds.process.warm import _POOLS, _POOLS_LOCK
+from dstest.worlds.process.pool_cache import _POOLS, _POOLS_LOCK
 from dstest.worlds.process.world import _under_main_guard
 from dstest.worlds.request import RunRequest
 

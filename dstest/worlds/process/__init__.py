@@ -51,13 +51,13 @@ The package, one module per concern (each imports only those before it in this l
   core, :mod:`dstest.worlds.core.matching`, as the threaded world's session does);
 - :mod:`~dstest.worlds.process.launch`: the fork server or spawn, ports, threads per rank;
 - :mod:`~dstest.worlds.process.pool`: one pool of warm workers and its failure reports;
-- :mod:`~dstest.worlds.process.warm`: the pools of this process, the warm cap, :func:`shutdown_all`;
+- :mod:`~dstest.worlds.process.pool_cache`: the pools of this process, the warm cap, :func:`shutdown_all`;
 - :mod:`~dstest.worlds.process.world`: :class:`ProcessWorld` and cold runs.
 """
 
 from __future__ import annotations
 
-from dstest.worlds.process.warm import (
+from dstest.worlds.process.pool_cache import (
     DEFAULT_MAX_WARM_WORKERS,
     MAX_WARM_WORKERS_ENV,
     pool_pids,

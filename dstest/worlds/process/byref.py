@@ -24,7 +24,7 @@ name), so the plugin's own rank function must live at module level; what that fu
   ``strict_shapes=True`` makes a shape-only difference between ranks a mismatch too.
 
 These names are kept stable for plugins; the modules they come from (``launch``, ``messages``, ``refs``,
-``warm``, ``worker``) are the process world's internals and may change.
+``pool_cache``, ``worker``) are the process world's internals and may change.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def pool_pids(world_size: int, backend: str = "gloo") -> tuple[int, ...]:
     """The worker pids of the live warm pool of ``world_size`` ranks on ``backend`` (empty: none yet).
 
     A different tuple after a run than before it means the pool was replaced (a rank left it unusable)."""
-    from dstest.worlds.process.warm import pool_pids as all_pool_pids
+    from dstest.worlds.process.pool_cache import pool_pids as all_pool_pids
 
     return tuple(all_pool_pids().get((backend, world_size), ()))
 
@@ -115,7 +115,7 @@ def pool_token(world_size: int, backend: str = "gloo") -> int | None:
 
     Taken before and after a run: a token that was not None and changed means the run ended with its
     pool killed or replaced (a rank hung, died, failed with peers blocked, or left its worker unusable)."""
-    from dstest.worlds.process.warm import pool_token as token
+    from dstest.worlds.process.pool_cache import pool_token as token
 
     return token(backend, world_size)
 

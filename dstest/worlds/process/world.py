@@ -1,5 +1,5 @@
-"""The process world: :class:`ProcessWorld`, cold runs (a world larger than the warm cap), and the refusal
-to start workers from an unguarded script.
+"""The process world: :class:`ProcessWorld`, which runs on the pools of :mod:`~.pool_cache` (or a cold
+pool, for a world larger than the warm cap), and the refusal to start workers from an unguarded script.
 """
 
 from __future__ import annotations
@@ -14,34 +14,11 @@ import dstest.trace as _trace
 from dstest.errors import (
     UnguardedMain,
 )
-from dstest.worlds.process.messages import _FnRef, _PoolKey
+from dstest.worlds.process.messages import _PoolKey
 from dstest.worlds.process.pool import Pool
+from dstest.worlds.process.pool_cache import pool_for, replace_closed, run_cold, warm_worker_cap
 from dstest.worlds.process.refs import _reference
-from dstest.worlds.process.warm import _COLD, _POOLS_LOCK, _pool_for, _replace, warm_worker_cap
 from dstest.worlds.request import RunRequest
-
-
-def _run_cold(
-    key: _PoolKey,
-    world_name: str,
-    ref: _FnRef,
-    request: RunRequest,
-    recorder: _trace.Recorder,
-) -> list[Any]:
-    """One run on a pool of its own that is stopped after it (a world larger than the warm cap)."""
-    __tracebackhide__ = True
-    pool = Pool(key, world_name).start()
-    with _POOLS_LOCK:
-        _COLD.add(pool)
-    try:
-        with pool.lock:
-            return pool.run(ref, request, recorder)
-    finally:
-        if not pool.closed:
-            pool.stop()
-        with _POOLS_LOCK:
-            _COLD.discard(pool)
-
 
 # ------------------------------------------------------------------------------------------------------
 # The world
@@ -191,14 +168,14 @@ class ProcessWorld:
         with _trace.world_run(self.name, world_size, request.recorder) as recorder:
             cap = warm_worker_cap(self.max_warm_workers)
             if world_size > cap:
-                return _run_cold(key, self.name, ref, request, recorder)
-            pool = _pool_for(key, self.name, cap)
+                return run_cold(key, self.name, ref, request, recorder)
+            pool = pool_for(key, self.name, cap)
             with pool.lock:
                 try:
                     return pool.run(ref, request, recorder)
                 finally:
                     if pool.closed:
-                        _replace(pool)
+                        replace_closed(pool)
 
     def prestart(self, world_sizes: Sequence[int]) -> None:
         """Start the pools of these world sizes without waiting: they warm up while other work runs."""
@@ -207,7 +184,7 @@ class ProcessWorld:
             cap = warm_worker_cap(self.max_warm_workers)
             if ws > cap:
                 continue  # runs cold
-            _pool_for(_PoolKey(self.backend, self.device, ws), self.name, cap)
+            pool_for(_PoolKey(self.backend, self.device, ws), self.name, cap)
 
     def warm(self, world_size: int) -> float:
         """Start (if needed) and wait for the pool of ``world_size`` ranks; returns its launch-to-ready seconds."""
@@ -222,11 +199,11 @@ class ProcessWorld:
                 if not cold.closed:
                     cold.stop()
             return cold.start_seconds or 0.0
-        pool = _pool_for(key, self.name, cap)
+        pool = pool_for(key, self.name, cap)
         with pool.lock:
             try:
                 pool.wait_ready()
             finally:
                 if pool.closed:
-                    _replace(pool)
+                    replace_closed(pool)
         return pool.start_seconds or 0.0

@@ -1,5 +1,6 @@
-"""The warm pools of this process: one per (backend, device, world size), capped in least-recently-used
-order (:func:`warm_worker_cap`), replaced when they break, and all stopped by :func:`shutdown_all`.
+"""The warm pools of this process, kept as a cache: one per (backend, device, world size), capped in
+least-recently-used order (:func:`warm_worker_cap`), replaced when they break, and all stopped by
+:func:`shutdown_all`; and the pools of cold runs (a world larger than the cap), which it stops too.
 """
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ import contextlib
 import os
 import threading
 import time
+from typing import Any
 
-from dstest.errors import (
-    InvalidArgument,
-)
+import dstest.trace as _trace
+from dstest.errors import InvalidArgument
 from dstest.worlds.process.launch import _stop_fork_server
-from dstest.worlds.process.messages import _STOP, _PoolKey
+from dstest.worlds.process.messages import _STOP, _FnRef, _PoolKey
 from dstest.worlds.process.pool import Pool
+from dstest.worlds.request import RunRequest
 
 #: The environment variable that caps the worker processes kept warm, all pools of this process together:
 #: an integer >= 0 (0 keeps none: every world runs cold). Read at each run.
@@ -29,14 +31,14 @@ DEFAULT_MAX_WARM_WORKERS = max(32, 4 * (os.cpu_count() or 1))
 # ------------------------------------------------------------------------------------------------------
 
 # The pools are process-wide on purpose: keeping workers warm across World objects and tests is the whole
-# point. They are reached only through _pool_for / shutdown_all, under _POOLS_LOCK.
+# point. They are reached only through the functions of this module, under _POOLS_LOCK.
 _POOLS: dict[_PoolKey, Pool] = {}
 _POOLS_LOCK = threading.Lock()
 _COLD: set[Pool] = set()  # pools of cold runs in progress (stopped by shutdown_all too)
 _ATEXIT_REGISTERED = False
 
 
-def _pool_for(key: _PoolKey, world_name: str, cap: int) -> Pool:
+def pool_for(key: _PoolKey, world_name: str, cap: int) -> Pool:
     global _ATEXIT_REGISTERED
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
@@ -92,11 +94,27 @@ def _evict_for(extra: int, cap: int) -> None:
             total -= pool.key.world_size
 
 
-def _replace(pool: Pool) -> None:
+def replace_closed(pool: Pool) -> None:
     """Start a fresh pool in place of a closed one, now, so that it warms up while other tests run."""
     with _POOLS_LOCK:
         if _POOLS.get(pool.key) is pool and not pool.start_failed:
             _POOLS[pool.key] = Pool(pool.key, pool.world_name).start()
+
+
+def run_cold(key: _PoolKey, world_name: str, ref: _FnRef, request: RunRequest, recorder: _trace.Recorder) -> list[Any]:
+    """One run on a pool of its own that is stopped after it (a world larger than the warm cap)."""
+    __tracebackhide__ = True
+    pool = Pool(key, world_name).start()
+    with _POOLS_LOCK:
+        _COLD.add(pool)
+    try:
+        with pool.lock:
+            return pool.run(ref, request, recorder)
+    finally:
+        if not pool.closed:
+            pool.stop()
+        with _POOLS_LOCK:
+            _COLD.discard(pool)
 
 
 def shutdown_all() -> None:
