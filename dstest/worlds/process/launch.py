@@ -9,7 +9,7 @@ import multiprocessing
 import os
 import signal
 import socket
-from typing import Any
+from typing import Any, NoReturn
 
 
 def _free_port() -> int:
@@ -128,24 +128,15 @@ def fork_server_from_here(preload: list[str] | tuple[str, ...] = (), close_in_se
     this function knows (its address, "alive" pipe and pid; an authentication key where the Python has one).
     ``close_in_server``: file descriptors of this process the server (and so every worker) must not hold.
     """
-    import inspect
-    import threading
-    from multiprocessing import connection, forkserver, resource_tracker, util
+    from multiprocessing import connection, resource_tracker, util
 
     for name in preload:
         if name not in _PRELOAD:
             _PRELOAD.append(name)
-    ctx = _mp_context()
-    if ctx.get_start_method() != "forkserver" or threading.active_count() != 1:
+    server = _unstarted_fork_server()
+    if server is None:
         return False
-    server = getattr(forkserver, "_forkserver", None)  # CPython's singleton; private, hence the care
-    fields = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
-    if server is None or not all(hasattr(server, f) for f in fields) or server._forkserver_pid is not None:
-        return False
-    params = inspect.signature(forkserver.main).parameters
     keyed = hasattr(server, "_forkserver_authkey")
-    if keyed and "authkey_r" not in params:
-        return False
     resource_tracker.ensure_running()
     listener = socket.socket(socket.AF_UNIX)
     address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
@@ -158,23 +149,8 @@ def fork_server_from_here(preload: list[str] | tuple[str, ...] = (), close_in_se
     authkey = os.urandom(32) if keyed else b""
     modules = [m for m in _PRELOAD if m != "__main__"]
     pid = os.fork()
-    if pid == 0:  # the fork server: serves until every holder of the "alive" pipe has gone
-        code = 0
-        try:
-            os.close(alive_w)
-            for fd in close_in_server or ():
-                os.close(fd)
-            extra: dict[str, Any] = {}
-            if keyed:
-                os.close(key_w)
-                extra["authkey_r"] = key_r
-            forkserver.main(listener.fileno(), alive_r, modules, **extra)
-        except SystemExit:
-            pass
-        except BaseException:
-            code = 1
-        finally:
-            os._exit(code)
+    if pid == 0:
+        _serve_as_fork_server(listener, (alive_r, alive_w), (key_r, key_w) if keyed else None, modules, close_in_server)
     os.close(alive_r)
     listener.close()
     if keyed:
@@ -186,3 +162,51 @@ def fork_server_from_here(preload: list[str] | tuple[str, ...] = (), close_in_se
     server._forkserver_alive_fd = alive_w
     server._forkserver_pid = pid
     return True
+
+
+def _unstarted_fork_server() -> Any:
+    """CPython's fork server (a private singleton, hence the care) when this process may make it a fork of
+    itself now: the fork server start method, one thread, no server running, and the state it keeps known."""
+    import inspect
+    import threading
+    from multiprocessing import forkserver
+
+    ctx = _mp_context()
+    if ctx.get_start_method() != "forkserver" or threading.active_count() != 1:
+        return None
+    server = getattr(forkserver, "_forkserver", None)
+    fields = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
+    if server is None or not all(hasattr(server, f) for f in fields) or server._forkserver_pid is not None:
+        return None
+    params = inspect.signature(forkserver.main).parameters
+    if hasattr(server, "_forkserver_authkey") and "authkey_r" not in params:
+        return None
+    return server
+
+
+def _serve_as_fork_server(
+    listener: socket.socket,
+    alive: tuple[int, int],
+    key: tuple[int, int] | None,
+    modules: list[str],
+    close_in_server: list[int] | None,
+) -> NoReturn:
+    """The forked child: the fork server, serving until every holder of the "alive" pipe has gone."""
+    from multiprocessing import forkserver
+
+    code = 0
+    try:
+        os.close(alive[1])
+        for fd in close_in_server or ():
+            os.close(fd)
+        extra: dict[str, Any] = {}
+        if key is not None:
+            os.close(key[1])
+            extra["authkey_r"] = key[0]
+        forkserver.main(listener.fileno(), alive[0], modules, **extra)
+    except SystemExit:
+        pass
+    except BaseException:
+        code = 1
+    finally:
+        os._exit(code)

@@ -217,46 +217,22 @@ class _Server:
         self.watches: dict[tuple[str, ...], Any] = {}  # module prefixes -> their ModuleStateWatch
 
     def serve(self, blob: bytes) -> _Reply:
-        import random
+        """One run on this rank: its function called, then what it left behind checked; the reply."""
+        from dstest.context import RankContext
 
-        import torch
-
-        from dstest.context import RankContext, rank_seed
-
-        rank = self.cfg.rank
         start = self._log_offset()
-        ok, result, tb, exc_blob = False, None, "", None
         run_id = -1
+        cmd: _Command | None = None
         failure: BaseException | None = None
         value: Any = None
         checking = False
         try:
-            cmd: _Command = pickle.loads(blob)
+            cmd = pickle.loads(blob)
             run_id = cmd.run_id
             if self.checker is not None:
                 self.checker.begin(run_id, cmd.faults)  # before anything can fail: the referee hears of every end
                 checking = True
-            fn = self._resolve(cmd.ref)
-            self._begin_run(run_id)
-            try:  # what the previous run left in process-global state (dstest.resets)
-                apply_resets(cmd.resets)
-            except BaseException:
-                self.unusable = "a reset of process-global state failed before the run (dstest.resets)"
-                raise
-            self._watch(cmd.watch)
-            ctx = RankContext(
-                rank=rank,
-                world_size=self.cfg.key.world_size,
-                world=self.cfg.world_name,
-                device=self.device,
-                seed=cmd.seed,
-            )
-            if self.checker is not None:
-                ctx.attach_comm(self.checker.recorder.view(rank))
-            # Processes, unlike threads, own their global RNGs: seed them too, so that a spec drawing from
-            # torch.randn is as deterministic as one using ctx.generator (E5).
-            torch.manual_seed(rank_seed(cmd.seed, rank))
-            random.seed(rank_seed(cmd.seed, rank))
+            fn, ctx = self._prepare(cmd)
             token = ctx.bind()
             try:
                 if cmd.setup is not None:  # e.g. the spec layer binding the system under test (RunRequest.setup)
@@ -266,27 +242,83 @@ class _Server:
                 RankContext.unbind(token)
         except BaseException as exc:  # the parent reports every rank's outcome, so catch all
             failure = exc
-        left_behind = self._check_state(cmd.watch, cmd.resets) if run_id >= 0 else []
+        left_behind = self._check_state(cmd.watch, cmd.resets) if cmd is not None and run_id >= 0 else []
         check_unhealthy = None
         if checking:
-            assert self.checker is not None
-            try:
-                left, check_unhealthy = self.checker.end(failure)
-            except Exception as exc:
-                left, check_unhealthy = None, f"closing the run's check failed: {type(exc).__name__}: {exc}"
-            failure = failure or left
+            failure, check_unhealthy = self._end_check(failure)
+        result = None
         if failure is None:
+            result, failure = self._pickled(value)
+        return self._reply(run_id, start, result, failure, check_unhealthy, left_behind)
+
+    def _prepare(self, cmd: _Command) -> tuple[Callable[..., Any], Any]:
+        """Before the run's function: find it, give the run fresh groups, put back process-global state, start
+        watching the run's modules; returns the function and the rank's context, the RNGs seeded."""
+        import random
+
+        import torch
+
+        from dstest.context import RankContext, rank_seed
+
+        rank = self.cfg.rank
+        fn = self._resolve(cmd.ref)
+        self._begin_run(cmd.run_id)
+        try:  # what the previous run left in process-global state (dstest.resets)
+            apply_resets(cmd.resets)
+        except BaseException:
+            self.unusable = "a reset of process-global state failed before the run (dstest.resets)"
+            raise
+        self._watch(cmd.watch)
+        ctx = RankContext(
+            rank=rank,
+            world_size=self.cfg.key.world_size,
+            world=self.cfg.world_name,
+            device=self.device,
+            seed=cmd.seed,
+        )
+        if self.checker is not None:
+            ctx.attach_comm(self.checker.recorder.view(rank))
+        # Processes, unlike threads, own their global RNGs: seed them too, so that a spec drawing from
+        # torch.randn is as deterministic as one using ctx.generator (E5).
+        torch.manual_seed(rank_seed(cmd.seed, rank))
+        random.seed(rank_seed(cmd.seed, rank))
+        return fn, ctx
+
+    def _end_check(self, failure: BaseException | None) -> tuple[BaseException | None, str | None]:
+        """Close the run's cross-rank check: the run's failure (or what the check left unfinished, when the
+        function itself did not fail), and why the worker is unusable after it, if it is."""
+        assert self.checker is not None
+        try:
+            left, check_unhealthy = self.checker.end(failure)
+        except Exception as exc:
+            left, check_unhealthy = None, f"closing the run's check failed: {type(exc).__name__}: {exc}"
+        return failure or left, check_unhealthy
+
+    def _pickled(self, value: Any) -> tuple[bytes | None, BaseException | None]:
+        """The function's return value pickled for the parent; or the error that says it does not pickle."""
+        try:
             try:
-                try:
-                    result = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-                except Exception as exc:
-                    raise TypeError(
-                        f"rank {rank} returned {type(value).__name__} {value!r:.200}, which cannot be pickled "
-                        f"back to the parent ({type(exc).__name__}: {exc}); return picklable values"
-                    ) from exc
-                ok = True
-            except TypeError as exc:
-                failure = exc
+                return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), None
+            except Exception as exc:
+                raise TypeError(
+                    f"rank {self.cfg.rank} returned {type(value).__name__} {value!r:.200}, which cannot be pickled "
+                    f"back to the parent ({type(exc).__name__}: {exc}); return picklable values"
+                ) from exc
+        except TypeError as exc:
+            return None, exc
+
+    def _reply(
+        self,
+        run_id: int,
+        start: int,
+        result: bytes | None,
+        failure: BaseException | None,
+        check_unhealthy: str | None,
+        left_behind: list[str],
+    ) -> _Reply:
+        """The run's reply to the parent; the run's groups are left for the next run to destroy."""
+        rank = self.cfg.rank
+        tb, exc_blob = "", None
         if failure is not None:
             tb = "".join(traceback.format_exception(failure))
             exc_blob = _pickle_exception(failure)
@@ -294,6 +326,7 @@ class _Server:
         trace = self.checker.recorder.export(rank) if self.checker is not None else None
         output = self._output_since(start)
         tally = self.checker.faults if self.checker is not None else None  # which faults fired (contract G5)
+        ok = failure is None
         return _Reply(run_id, rank, ok, result, tb, exc_blob, output, unhealthy, trace, tuple(left_behind), tally)
 
     def _watch(self, prefixes: tuple[str, ...]) -> None:
