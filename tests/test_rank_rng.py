@@ -44,6 +44,9 @@ def _draws(step: int) -> list[list[float]]:
         nn.init.kaiming_uniform_(torch.empty(2, 2)).flatten().tolist(),
         torch.multinomial(torch.ones(5), 3).float().tolist(),
         torch.randn_like(torch.zeros(2)).tolist(),
+        torch.rand_like(torch.zeros(2)).tolist(),
+        torch.randint_like(torch.zeros(3), 0, 50).tolist(),
+        torch.randint(5, 60, (3,)).float().tolist(),
     ]
     state = torch.get_rng_state()
     first = torch.rand(2).tolist()
@@ -91,6 +94,31 @@ def test_each_rank_draws_its_own_processs_stream(world, world_size, steps):
     got = dstest.run(seeded_per_rank_draws_around_collectives, world_size, world=world, args=(steps,))
     for rank in range(world_size):
         assert got[rank] == _reference(rank, steps), f"rank {rank} drew other numbers than its process"
+
+
+def seeded_draws_under_a_dispatch_mode(ctx, mode_name: str):
+    """The same draws while a dispatch mode watches: ``CommDebugMode`` (as torch's DTensor tests count
+    collectives) or a mode that only passes every operator on."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with CommDebugMode() if mode_name == "comm" else Passing():
+        return seeded_per_rank_draws_around_collectives(ctx, 2)
+
+
+@pytest.mark.parametrize("mode_name", ["comm", "passing"])
+@pytest.mark.parametrize("world", WORLDS)
+def test_draws_under_a_dispatch_mode_are_the_ranks_own(world, mode_name):
+    """Inside a mode's handler torch excludes dstest's key: factories that call their generator overload
+    from their own kernel (``randn``, ``rand``, ``randint``, ``randperm``, ``*_like``) drew from the
+    process-wide generator on rank threads (``torch.randn`` after ``manual_seed(0)`` gave other numbers)."""
+    got = dstest.run(seeded_draws_under_a_dispatch_mode, 2, world=world, args=(mode_name,))
+    for rank in range(2):
+        assert got[rank] == _reference(rank, 2), f"rank {rank} drew other numbers than its process"
 
 
 def test_the_fake_world_draws_each_ranks_stream_too():

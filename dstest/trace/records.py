@@ -324,7 +324,7 @@ def group_label(group: Any, world_size: int | None = None) -> str:
     if group is None:
         return "world"
     ranks = getattr(group, "global_ranks", None)
-    name = getattr(group, "_name", None)
+    name = getattr(group, "_group_name", None)
     if ranks is None:
         ranks = getattr(group, "members", None)
         name = getattr(group, "gid", None)

@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from dstest.errors import InvalidArgument
 from dstest.worlds import collectives as C
@@ -22,6 +21,7 @@ from dstest.worlds.core import c10d, matching
 from dstest.worlds.core.faults import Delay, Fail, Fault, Kill, failed_text
 from dstest.worlds.process.checker import _check_error, _Checker, _Record
 from dstest.worlds.process.messages import _Dev, _Meta
+from dstest.worlds.torch_internals.dispatched import DispatchedGroup
 
 __all__ = ["CheckedGroup", "CheckedWork", "DoneWork"]
 
@@ -175,17 +175,20 @@ _METAS = _Metas()
 
 
 @c10d.install
-class CheckedGroup(dist.ProcessGroup):
+class CheckedGroup(DispatchedGroup):
     """One rank's handle on one group of a gloo pool: every call is checked across ranks, then gloo runs it.
 
     Between runs (the pool's own warm-up) calls go straight to gloo. The c10d methods (``allreduce``,
     ``_allgather_base``, ``send``...) are made from the checking core's table (:mod:`dstest.worlds.core.c10d`),
     as the threaded world's groups are: each builds the same ``Call``, of its tensors' metadata, and
-    :meth:`_c10d` posts it to the referee, then issues the same method to gloo once every rank matched it.
+    :meth:`_issue_c10d` posts it to the referee, then issues the same method to gloo once every rank matched
+    it. Every call passes through torch's dispatcher first, as on gloo (:mod:`.torch_internals.dispatched`).
     """
 
+    backend_name = "gloo"
+
     def __init__(self, inner: Any, rank: int, size: int, members: tuple[int, ...], gid: str, checker: _Checker) -> None:
-        super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) overload has no stub
+        super().__init__(rank, size)
         self.inner = inner
         self.rank_ = rank
         self.size_ = size
@@ -194,53 +197,16 @@ class CheckedGroup(dist.ProcessGroup):
         self.checker = checker
         self.seq = 0
         self.seq_run = 0  # the run the sequence numbers count in (the world group outlives runs)
-        self._group_name = ""
-        self._group_desc = ""
-        self._split_store: Any = None
         self.label = matching.group_label(gid, members, checker.world_size)
         # C++ code that asks the group for its gloo backend by type (DDP's logger does) finds it; the
         # collectives it issues still come through the methods below (torch calls them virtually).
         self._register_backend(torch.device("cpu"), torch_internals.gloo_backend_type(), inner)
         self._set_default_backend(torch_internals.gloo_backend_type())
 
-    # -- what torch asks of a group ------------------------------------------------------------------
-    def getGroupName(self) -> str:
-        return self._group_name
-
-    def setGroupName(self, name: str) -> None:
-        self._group_name = name
-
-    def getGroupDesc(self) -> str:
-        return self._group_desc
-
-    def setGroupDesc(self, desc: str) -> None:
-        self._group_desc = desc
-
-    @property
-    def group_name(self) -> Any:
-        return self._group_name
-
-    @property
-    def group_desc(self) -> str:
-        return self._group_desc
-
     def _get_backend(self, device: Any) -> Any:
         return self
 
-    def getBackendName(self) -> str:
-        return "gloo"
-
-    def name(self) -> str:
-        return "gloo"
-
-    def shutdown(self) -> None:
-        pass
-
     # -- torch 2.15's dist.split_group (gloo splits without a bound device since 2.15) ---------------
-    @property
-    def supports_splitting(self) -> bool:
-        return True
-
     def split_group(
         self,
         ranks: list[int],
@@ -271,10 +237,6 @@ class CheckedGroup(dist.ProcessGroup):
         group._group_name, group._group_desc = group_name, group_desc or ""
         group._split_store = torch_internals.prefix_store(f"{group_name}/", store)
         return group
-
-    def get_group_store(self) -> Any:
-        """The store a split group was made over (torch records it for the group)."""
-        return self._split_store
 
     # -- checking --------------------------------------------------------------------------------------
     def _next_seq(self) -> int:
@@ -321,7 +283,7 @@ class CheckedGroup(dist.ProcessGroup):
         return CheckedWork(checker, checker.post(msg, what, issue, record))
 
     # -- collectives: every c10d method comes from the checking core's table (core.c10d.install) --------
-    def _c10d(self, method: c10d.Method, args: dict[str, Any]) -> Any:
+    def _issue_c10d(self, method: c10d.Method, args: dict[str, Any]) -> Any:
         """One c10d method (``method``, with its arguments by name): checked, then issued to gloo as called."""
         if method.options and args["opts"] is None:
             args["opts"] = torch_internals.c10d_options(method.options)

@@ -30,6 +30,7 @@ from dstest.worlds.core import c10d
 from dstest.worlds.core.faults import Delay, Fail
 from dstest.worlds.threaded.waits import Done
 from dstest.worlds.threaded.work import Work
+from dstest.worlds.torch_internals.dispatched import DispatchedGroup
 
 __all__ = [
     "BACKEND_NAME",
@@ -133,16 +134,21 @@ _TENSORS = _Tensors()
 
 
 @c10d.install
-class Group(dist.ProcessGroup):
+class Group(DispatchedGroup):
     """One rank's handle on one group of a world; every method forwards to the session.
 
     The c10d methods (``allreduce``, ``_allgather_base``, ``send``...) are made from the checking core's
     table (:mod:`dstest.worlds.core.c10d`), as the process world's checked gloo groups are: each builds
-    the same ``Call`` from the same arguments, and :meth:`_c10d` posts it to this world's session.
+    the same ``Call`` from the same arguments, and :meth:`_issue_c10d` posts it to this world's session. While
+    something watches torch's dispatcher (a dispatch mode such as ``CommDebugMode``, the profiler, a tensor
+    subclass) a call takes the dispatcher's road first, as on gloo (contract E16).
     """
 
+    backend_name = BACKEND_NAME
+    always_dispatched = False
+
     def __init__(self, session: Any, rank: int, size: int, global_ranks: list[int], name: str) -> None:
-        super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) overload has no stub
+        super().__init__(rank, size)
         self.session = session
         self.rank_ = rank
         self.size_ = size
@@ -151,27 +157,11 @@ class Group(dist.ProcessGroup):
         self.key = (name, tuple(global_ranks))
         self.label = "world" if len(global_ranks) == session.world_size and name == "0" else f"{name} {global_ranks}"
         self._seq = 0
-        self._name = name
-        self._desc = "undefined"
+        self._group_name = name
+        self._group_desc = "undefined"
         self.device: torch.device = getattr(binding, "device", None) or torch.device("cpu")
 
-    # -- what torch's stacks ask of a process group ------------------------------------------------
-    # A Python ProcessGroup registers no C++ backend, and the C++ getters read the name from one: they
-    # raise "ProcessGroup name not set". torch sets both through these setters when it creates a group.
-    def _set_group_name(self, name: str) -> None:
-        self._name = name
-
-    def _set_group_desc(self, desc: str) -> None:
-        self._desc = desc
-
-    @property
-    def group_name(self) -> str:  # type: ignore[override]
-        return self._name
-
-    @property
-    def group_desc(self) -> str:
-        return self._desc
-
+    # -- what torch's stacks ask of a process group (names and backend: DispatchedGroup) -------------
     def rank(self) -> int:
         """The calling rank's rank in this group (c10d's ``get_rank``/``get_world_size`` ask the object:
         a group object that crossed to another rank, or from an earlier world, answers for the caller)."""
@@ -197,10 +187,6 @@ class Group(dist.ProcessGroup):
         (a Python group registers no C++ backend, so torch's own answer would be none)."""
         return [self.device]
 
-    @property
-    def supports_splitting(self) -> bool:
-        return True
-
     def split_group(
         self,
         ranks: list[int],
@@ -221,19 +207,13 @@ class Group(dist.ProcessGroup):
             raise InvalidArgument("split_group needs the new group's name (torch's dist.split_group gives one)")
         global_ranks = [me.global_ranks[r] for r in ranks]
         group = Group(me.session, ranks.index(me.rank_), len(ranks), global_ranks, group_name)
-        group._desc = group_desc or "undefined"
+        group._group_desc = group_desc or "undefined"
         me.session.register_group(group)
         return group
 
     def get_group_store(self) -> Any:
         """The world's rendezvous store under this group's name (what torch records for a split group)."""
-        return torch_internals.prefix_store(f"{self._name}/", self.session.store)
-
-    def getBackendName(self) -> str:
-        return BACKEND_NAME
-
-    def name(self) -> str:
-        return BACKEND_NAME
+        return torch_internals.prefix_store(f"{self._group_name}/", self.session.store)
 
     def __repr__(self) -> str:
         return f"<dstest group {self.label} of rank {self.owner}>"
@@ -299,7 +279,7 @@ class Group(dist.ProcessGroup):
         return Work(session.arrive(self, call, fail=fault if isinstance(fault, Fail) else None))
 
     # -- collectives: every c10d method comes from the checking core's table (core.c10d.install) --------
-    def _c10d(self, method: c10d.Method, args: dict[str, Any]) -> Work:
+    def _issue_c10d(self, method: c10d.Method, args: dict[str, Any]) -> Work:
         """One c10d method (``method``, with its arguments by name), for the calling rank's group."""
         g = self._acting()
         if method.kind == "p2p":
@@ -337,5 +317,3 @@ class Group(dist.ProcessGroup):
             "use dist.barrier() in the threaded world, or world='process' (gloo) for monitored_barrier"
         )
 
-    def shutdown(self) -> None:
-        pass

@@ -30,6 +30,8 @@ What lives where:
   DTensor's sharding cache) kept from outliving or deadlocking rank threads.
 - :mod:`.process_groups`: what dstest's Python process groups need from torch whatever world hosts them
   (stores, the work handle base, :func:`linked_future`, :func:`reduce_op_name`, backend registration).
+- :mod:`.dispatched`: the base of dstest's process groups in both worlds (:class:`DispatchedGroup`), whose
+  collectives reach torch's dispatcher as the ``c10d`` ops a C++ backend's do (contract E16).
 - :mod:`.c10d_classes`: torch's C++ c10d classes dstest builds (stores, each collective's options, gloo's
   own group, gloo's backend type), from ``torch._C._distributed_c10d``.
 - :mod:`.raw_writes`: writing a collective's results as a backend's C++ does: below autograd

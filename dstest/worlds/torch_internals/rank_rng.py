@@ -80,6 +80,33 @@ def _drawing_operators() -> list[tuple[str, str, int, bool]]:
     return found
 
 
+def _generator_twins() -> list[tuple[str, Any, str, int, bool]]:
+    """Drawing operators without a generator argument and their twin with one (``randn`` and
+    ``randn.generator``, ``randint.low`` and ``randint.low_generator``...): (qualified overload, the twin,
+    the twin's argument name, index, keyword-only). Their kernels call the generator overload themselves,
+    below every key; under a dispatch mode (``CommDebugMode``) that inner call runs inside the mode's handler,
+    where torch excludes dstest's key, so the draw must get the rank's generator at the outer call."""
+    by_packet: dict[str, list[Any]] = {}
+    for schema in torch._C._jit_get_all_schemas():
+        if schema.name.startswith("aten::"):
+            by_packet.setdefault(schema.name[len("aten::") :], []).append(schema)
+    found = []
+    for packet, schemas in by_packet.items():
+        drawing = [s for s in schemas if any(str(a.type) == "Optional[Generator]" for a in s.arguments)]
+        for schema in schemas:
+            if schema in drawing:
+                continue
+            shape = [(a.name, str(a.type)) for a in schema.arguments]
+            for twin in drawing:
+                if [(a.name, str(a.type)) for a in twin.arguments if a.name != "generator"] == shape:
+                    index = [a.name for a in twin.arguments].index("generator")
+                    op = getattr(getattr(torch.ops.aten, packet), twin.overload_name or "default")
+                    qualified = packet + (f".{schema.overload_name}" if schema.overload_name else "")
+                    found.append((qualified, op, "generator", index, bool(twin.arguments[index].kwarg_only)))
+                    break
+    return found
+
+
 def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
@@ -87,15 +114,25 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor
     return None
 
 
-def _drawing_kernel(op: Any, arg: str, index: int, kwarg_only: bool) -> Callable[..., Any]:
+def _drawing_kernel(op: Any, arg: str, index: int, kwarg_only: bool, twin: Any = None) -> Callable[..., Any]:
     """The kernel at dstest's key for one drawing operator: the rank's generator where the caller gave
     none, for draws on the CPU; then the operator again, below the key. (A generator reaches a kernel as a
     new Python object, so ``generator=torch.default_generator`` cannot be told from a generator of the
-    caller's: it is left as given.)"""
+    caller's: it is left as given.) With ``twin`` (an overload without a generator argument, ``op`` being
+    its twin with one): the twin is called where the rank's generator goes in."""
     below = torch._C.DispatchKeySet(_key())
 
     def draw(*args: Any, **kwargs: Any) -> Any:
         gen = _LOCAL.generator
+        if twin is not None:
+            tensor = _first_tensor(args, kwargs)
+            device = tensor.device.type if tensor is not None else kwargs.get("device")
+            with torch._C._ExcludeDispatchKeyGuard(below):
+                if gen is None or not (device is None or torch.device(device).type == "cpu"):
+                    return twin(*args, **kwargs)
+                if kwarg_only:
+                    return op(*args, **kwargs, **{arg: gen})
+                return op(*args[:index], gen, *args[index:], **kwargs)
         if gen is not None:
             positional = not kwarg_only and len(args) > index
             given = args[index] if positional else kwargs.get(arg)
@@ -133,6 +170,10 @@ def draws_dispatch_per_rank() -> None:
             packet, _, overload = name.partition(".")
             op = getattr(getattr(torch.ops.aten, packet), overload or "default")
             kernels.impl(name, _drawing_kernel(op, arg, index, kwarg_only), _KEY_NAME)
+        for name, twin_op, arg, index, kwarg_only in _generator_twins():
+            packet, _, overload = name.partition(".")
+            plain = getattr(getattr(torch.ops.aten, packet), overload or "default")
+            kernels.impl(name, _drawing_kernel(twin_op, arg, index, kwarg_only, twin=plain), _KEY_NAME)
         _LIBRARIES.extend([fallthrough, kernels])
 
 
