@@ -490,7 +490,7 @@ def test_a_hanging_test_is_reported_with_stacks_and_the_next_test_runs(pytester:
     lines = (pytester.path / "test_suite.py").read_text().splitlines()
     sleep_line = next(n for n, line in enumerate(lines, 1) if "time.sleep(600)" in line)
     assert f'test_suite.py", line {sleep_line} in test_hangs' in out  # rank 1's stack where it hangs
-    assert "pool replaced after: test_suite.py::TestHang::test_hangs" in out
+    assert "pool replaced after: test_suite.py::TestHang::test_hangs (world size 2): a rank hung" in out
 
 
 def test_a_harness_of_another_shape_is_refused(pytester: pytest.Pytester) -> None:

@@ -481,6 +481,10 @@ def test_continuous_bases_run_each_test_warm_with_upstreams_answers(pytester: py
     out = result.stdout.str()
     assert "Exception in worker process (rank 1):" in out and "ValueError: rank 1 gives up" in out
     assert "ranks [0] were stopped after another rank's failure" in out
+    assert (
+        "pool replaced after: test_continuous.py::Continuous::test_b_rank_1_raises_before_its_collective: "
+        "a rank failed while its peers were blocked" in out
+    )
     result.stdout.fnmatch_lines(["*Previous test failed, skipping*", "*not on this machine*"])
 
 

@@ -2,9 +2,10 @@
 
 At collection the plugin finds the harness's executor class (``DistributedExec`` of the checkout's
 ``tests/unit/common.py``) and replaces its launch step, ``_launch_with_file_store``, with one that pickles
-the test instance and runs it on dstest's warm process world (:mod:`dstest.compat._deepspeed_rank` is what
-each rank runs); a test that asks for DeepSpeed's own launcher gets the original. The process world is
-reached only through its public API for compat plugins (:mod:`dstest.worlds.process.byref`).
+the test instance and runs it on dstest's warm process world, by the warm run every compat plugin shares
+(:mod:`dstest.compat._warm_run`; :mod:`dstest.compat._deepspeed_rank` is what each rank runs); a test that
+asks for DeepSpeed's own launcher gets the original. The process world is reached only through its public API for compat plugins
+(:mod:`dstest.worlds.process.byref`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 
 from dstest.compat._deepspeed_rank import RANK_ENTRY, rank_main
+from dstest.compat._warm_run import Elsewhere, PoolSeen, WarmState, patch, restore, run_warm
 
 __all__ = ["LAUNCH", "OWN_WORLD_ATTR", "OWN_WORLD_MARK", "LaunchState", "patch_executors", "restore_executors"]
 
@@ -32,26 +34,13 @@ LAUNCH = "_launch_with_file_store"  # DistributedExec._launch_with_file_store(se
 
 
 @dataclass
-class _Elsewhere:
-    """A launch that did not run on the warm workers as is, for the terminal summary."""
+class LaunchState(WarmState):
+    """What the plugin keeps for one pytest session, beyond every compat plugin's: the launches on a world the
+    test formed itself, and the ports."""
 
-    nodeid: str
-    world_size: int
-    why: str
-
-
-@dataclass
-class LaunchState:
-    """What the plugin keeps for one pytest session: the patched classes, the launches and the ports."""
-
-    patched: dict[type, Callable[..., Any]] = field(default_factory=dict)  # class -> its original launch
-    own_world: list[_Elsewhere] = field(default_factory=list)
-    hidden: list[_Elsewhere] = field(default_factory=list)  # ran warm on a world the test formed itself
-    replaced: list[_Elsewhere] = field(default_factory=list)
-    warm_runs: int = 0
-    ports: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # world size -> (port, pids)
+    hidden: list[Elsewhere] = field(default_factory=list)  # ran warm on a world the test formed itself
+    ports: dict[int, tuple[int, PoolSeen]] = field(default_factory=dict)  # world size -> (port, its pool)
     given: set[int] = field(default_factory=set)  # every MASTER_PORT this session gave ranks
-    strict_shapes: bool = False  # --dstest-strict-shapes: shape-only differences are mismatches too
 
 
 #: DeepSpeed's CPU shared-memory collectives (csrc/cpu/comm/shm.cpp) keep one segment per rank, named
@@ -119,16 +108,13 @@ def patch_executors(state: LaunchState, items: list[pytest.Item]) -> None:
         base = _executor_of(cls)
         if base is not None and base not in state.patched:
             _check_shape(base)
-            state.patched[base] = base.__dict__[LAUNCH]
-            setattr(base, LAUNCH, _make_launch(state, base.__dict__[LAUNCH]))
+            patch(state, base, {LAUNCH: _make_launch(state, base.__dict__[LAUNCH])})
 
 
 def restore_executors(state: LaunchState) -> None:
     """Put every patched class's own launch step back, and remove the shared-memory segments DeepSpeed's
     ranks left for the ports this session gave them."""
-    for cls, original in state.patched.items():
-        setattr(cls, LAUNCH, original)
-    state.patched.clear()
+    restore(state)
     _remove_shm_segments(state.given)
 
 
@@ -171,7 +157,7 @@ def _make_launch(state: LaunchState, original: Callable[..., Any]) -> Callable[.
                 raise pytest.UsageError(f"{nodeid}: world_size={world_size!r}: give an int >= 1 or a list of them")
             why = _own_world_reason(self, request)
             if why is not None:
-                state.own_world.append(_Elsewhere(nodeid, procs, why))
+                state.own.append(Elsewhere(nodeid, why, procs))
                 with _local_size_at_least(procs):
                     original(self, request, procs)
                 continue
@@ -180,34 +166,26 @@ def _make_launch(state: LaunchState, original: Callable[..., Any]) -> Callable[.
     return _launch_with_file_store
 
 
-def _pids(world_size: int) -> tuple[int, ...]:
-    from dstest.worlds.process.byref import pool_pids
-
-    return pool_pids(world_size, "gloo")
-
-
 def _port_for(state: LaunchState, world_size: int) -> int:
     """A MASTER_PORT per pool: DeepSpeed's CPU shared-memory op names its segments after it, so two pools
     alive at once must not share one; a replaced pool gets a new one."""
     from dstest.worlds.process.byref import free_port
 
-    pids = _pids(world_size)
+    now = PoolSeen.now(world_size)
     known = state.ports.get(world_size)
-    if known is None or (known[1] and known[1] != pids):
-        known = (free_port(), pids)
-    elif not known[1]:  # the pool started during the run that chose the port: remember its workers
-        known = (known[0], pids)
-    state.ports[world_size] = known
-    return known[0]
+    if known is None or (known[1].token is not None and known[1].replaced(now)):
+        port = free_port()
+    else:  # the same pool, or the first one, started during the run that chose the port
+        port = known[0]
+    state.ports[world_size] = (port, now)
+    return port
 
 
 def _run_warm(state: LaunchState, test: Any, nodeid: str, procs: int) -> None:
     __tracebackhide__ = True
     from dstest.errors import RankFailure, WorkerDied, WorldTimeout
     from dstest.specification import SKIP_LOCATION_ATTR
-    from dstest.worlds.process import ProcessWorld
     from dstest.worlds.process.byref import free_port, module_ref
-    from dstest.worlds.request import RunRequest
 
     try:
         payload = pickle.dumps(test, protocol=pickle.HIGHEST_PROTOCOL)
@@ -221,30 +199,24 @@ def _run_warm(state: LaunchState, test: Any, nodeid: str, procs: int) -> None:
     hide = _forms_its_world(test)
     if hide:  # the test's own TCPStore: a port of its own, as the harness gives every launch
         port = free_port()
-        state.hidden.append(_Elsewhere(nodeid, procs, "forms its own world"))
+        state.hidden.append(Elsewhere(nodeid, "forms its own world", procs))
     else:
         port = _port_for(state, procs)
     state.given.add(port)
-    before = _pids(procs)
-    timeout = float(getattr(test, "exec_timeout", 600))
-    state.warm_runs += 1
     try:
-        request = RunRequest(
+        results = run_warm(
+            state,
+            nodeid,
             rank_main,
             procs,
-            args=(payload, ref, list(sys.path), port, hide),
-            timeout=timeout,
-            strict_shapes=state.strict_shapes,
-            watch_modules=("deepspeed",),  # what a test leaves in DeepSpeed's module globals is put back, named
+            (payload, ref, list(sys.path), port, hide),
+            timeout=float(getattr(test, "exec_timeout", 600)),
+            watch="deepspeed",  # what a test leaves in DeepSpeed's module globals is put back, named
+            fresh_after=hide,  # a world of its own always gets fresh workers after
         )
-        results = ProcessWorld().run(request)
     except (RankFailure, WorldTimeout, WorkerDied) as exc:
         setattr(exc, "_dstest_ds_report", _failure_text(nodeid, exc))  # noqa: B010 (read back by makereport)
         raise
-    finally:
-        after = _pids(procs)
-        if before and after != before and not hide:  # a world of its own always gets fresh workers after
-            state.replaced.append(_Elsewhere(nodeid, procs, "the test left its workers unusable"))
     messages = [msg for msg, _ in results]
     if any(messages):
         if len(set(messages)) != 1:  # the harness asserts the same

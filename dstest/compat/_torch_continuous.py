@@ -33,7 +33,8 @@ from typing import Any
 import pytest
 
 from dstest.compat._hidden_world import world_hidden
-from dstest.compat._torch_launch import Elsewhere, TorchState
+from dstest.compat._torch_launch import TorchState
+from dstest.compat._warm_run import Elsewhere, patch, run_warm
 
 __all__ = ["adapt_continuous_base", "close_class", "run_continuous"]
 
@@ -98,40 +99,30 @@ class _ClassRun:
 
     def _run(self, test_id: str) -> list[Any]:
         from dstest.errors import RankFailure, WorldAborted, WorldTimeout
-        from dstest.worlds.process import ProcessWorld
         from dstest.worlds.process.byref import module_ref
-        from dstest.worlds.request import RunRequest
         from dstest.worlds.torch_internals import bases_timeout
 
         self.count += 1
-        self.state.warm_runs += 1
         rdvz = os.path.join(self.files, f"rdvz-{self.count}")
         module = module_ref(sys.modules[self.cls.__module__])
-        args = (
-            module,
-            self.cls.__qualname__,
-            test_id,
-            self.world_size,
-            rdvz,
-            list(sys.path),
-            os.getcwd(),
-            dict(os.environ),
-        )
-        request = RunRequest(
-            run_continuous,
-            self.world_size,
-            args=args,
-            timeout=bases_timeout(test_id),
-            strict_shapes=self.state.strict_shapes,
-            watch_modules=("torch.distributed",),
-        )
+        env = dict(os.environ)
+        args = (module, self.cls.__qualname__, test_id, self.world_size, rdvz, list(sys.path), os.getcwd(), env)
+        nodeid = self.state.nodeids.get(test_id, test_id)
         try:
-            return [_answer(kind, text) for kind, text in ProcessWorld().run(request)]
+            results = run_warm(
+                self.state,
+                nodeid,
+                run_continuous,
+                self.world_size,
+                args,
+                timeout=bases_timeout(test_id),
+                watch="torch.distributed",
+            )
         except RankFailure as exc:
-            self.state.replaced.append(Elsewhere(self.state.nodeids.get(test_id, test_id), "a rank failed"))
             return [_failure_answer(exc, WorldAborted)] * self.world_size
         except WorldTimeout as exc:
             return [RuntimeError(str(exc))] * self.world_size
+        return [_answer(kind, text) for kind, text in results]
 
 
 def _failure_answer(exc: Any, aborted: type) -> RuntimeError:
@@ -189,7 +180,7 @@ def adapt_continuous_base(state: TorchState, base: type) -> None:
     def _spawn_processes(cls: type, world_size: int) -> None:
         why = getattr(cls, "dstest_fresh_process", None)
         if why:
-            state.fresh.append(Elsewhere(f"{cls.__module__}.{cls.__qualname__}", str(why)))
+            state.own.append(Elsewhere(f"{cls.__module__}.{cls.__qualname__}", str(why), int(world_size)))
             spawn(cls, world_size)
             return
         run = _ClassRun(state, cls, int(world_size))
@@ -200,8 +191,7 @@ def adapt_continuous_base(state: TorchState, base: type) -> None:
         setattr(cls, "task_queues", [_Tasks(run, r) for r in range(run.world_size)])  # noqa: B010
         setattr(cls, "completion_queues", [_Answers(run, r) for r in range(run.world_size)])  # noqa: B010
 
-    state.patched[base] = {_SPAWN: original}
-    setattr(base, _SPAWN, classmethod(_spawn_processes))
+    patch(state, base, {_SPAWN: classmethod(_spawn_processes)})
 
 
 def _skip_message(code: Any) -> str | None:

@@ -11,9 +11,9 @@ This module replaces two of those steps on the class, at run time, and nothing e
 - ``_start_processes(self, proc)`` runs the base's own code with ``proc`` standing in for the process
   class: each "process" records the target, arguments and keyword arguments the base gives it (the
   environment too, as a spawned process would inherit it at that moment), and starts nothing;
-- ``_join_processes(self, fn)`` runs the recorded per-rank entry points on dstest's warm process world (one
-  worker per rank, the worker's own world hidden: the test's ``init_process_group`` forms its world, as in
-  a fresh process) and gives each recorded process the exit code its rank ended with, then lets the base's
+- ``_join_processes(self, fn)`` runs the recorded per-rank entry points on dstest's warm process world (by
+  the warm run every compat plugin shares, :mod:`dstest.compat._warm_run`; one worker per rank, the worker's
+  own world hidden: the test's ``init_process_group`` forms its world, as in a fresh process) and gives each recorded process the exit code its rank ended with, then lets the base's
   own ``_join_processes`` and ``_check_return_codes`` judge them: skips by exit code, the exit-code checks
   and the error text are upstream's. A rank that raised is reported with upstream's text ("Process r
   exited with error code 10 and exception: ...") and the ranks it left blocked are stopped with their
@@ -35,7 +35,9 @@ from typing import Any
 
 import pytest
 
-__all__ = ["FRESH_ATTR", "FRESH_MARK", "Elsewhere", "TorchState", "adapt_process_base", "fresh_reason", "restore_bases"]
+from dstest.compat._warm_run import Elsewhere, WarmState, patch, run_warm
+
+__all__ = ["FRESH_ATTR", "FRESH_MARK", "TorchState", "adapt_process_base", "fresh_reason"]
 
 #: A class attribute (a reason string) that sends a test class to the base's own processes.
 FRESH_ATTR = "dstest_fresh_process"
@@ -48,25 +50,13 @@ _pids = itertools.count(2**22)  # above any real pid of this machine: a recorded
 
 
 @dataclass
-class Elsewhere:
-    """A test that did not run warm as is, for the terminal summary."""
+class TorchState(WarmState):
+    """What the plugin keeps for one pytest session, beyond every compat plugin's: the threaded runs, and
+    each test's pytest nodeid and fresh-process mark by its unittest id."""
 
-    nodeid: str
-    why: str
-
-
-@dataclass
-class TorchState:
-    """What the plugin keeps for one pytest session."""
-
-    patched: dict[type, dict[str, Any]] = field(default_factory=dict)  # class -> its original methods
-    fresh: list[Elsewhere] = field(default_factory=list)
-    replaced: list[Elsewhere] = field(default_factory=list)
-    warm_runs: int = 0
     threaded_runs: int = 0
     nodeids: dict[str, str] = field(default_factory=dict)  # unittest id -> pytest nodeid, marks looked up by it
     marked_fresh: dict[str, str] = field(default_factory=dict)  # unittest id -> why
-    strict_shapes: bool = False
 
 
 class _Planned:
@@ -153,7 +143,7 @@ def adapt_process_base(state: TorchState, base: type) -> None:
     def _start_processes(self: Any, proc: Any) -> None:
         why = fresh_reason(state, self)
         if why is not None:
-            state.fresh.append(Elsewhere(state.nodeids.get(self.id(), self.id()), why))
+            state.own.append(Elsewhere(state.nodeids.get(self.id(), self.id()), why))
             start(self, proc)
             return
         setattr(self, _WARM_ATTR, True)
@@ -168,28 +158,14 @@ def adapt_process_base(state: TorchState, base: type) -> None:
 
     _start_processes.__wrapped__ = start  # type: ignore[attr-defined]
     _join_processes.__wrapped__ = join  # type: ignore[attr-defined]
-    state.patched[base] = originals
-    setattr(base, _START, _start_processes)
-    setattr(base, _JOIN, _join_processes)
-
-
-def restore_bases(state: TorchState) -> None:
-    """Put every adapted class's own methods back."""
-    for cls, originals in state.patched.items():
-        for name, fn in originals.items():
-            if fn is not None:
-                setattr(cls, name, fn)
-    state.patched.clear()
+    patch(state, base, {_START: _start_processes, _JOIN: _join_processes}, keep=(_CHECK,))
 
 
 def _run_warm(state: TorchState, test: Any, fn: Callable[..., Any], join: Callable[..., Any]) -> None:
     """Run the recorded ranks warm, then let the base's own join judge their exit codes."""
     __tracebackhide__ = True
     from dstest.compat._torch_rank import plan_of, run_planned
-    from dstest.errors import RankFailure, WorkerDied, WorldTimeout
-    from dstest.worlds.process import ProcessWorld
-    from dstest.worlds.process.byref import pool_pids, pool_token
-    from dstest.worlds.request import RunRequest
+    from dstest.errors import RankFailure
     from dstest.worlds.torch_internals import bases_timeout
 
     planned: list[_Planned] = list(test.processes)
@@ -199,35 +175,15 @@ def _run_warm(state: TorchState, test: Any, fn: Callable[..., Any], join: Callab
     nodeid = state.nodeids.get(test.id(), test.id())
     plans = [plan_of(p.target, p.args, p.kwargs, p.env, nodeid) for p in planned]
     world_size = len(plans)
-    before = pool_token(world_size)
-    state.warm_runs += 1
-    timeout = bases_timeout(test.id())
     error_code = int(getattr(test, "TEST_ERROR_EXIT_CODE", 10))
-    why = None
+    args = (plans, list(sys.path), os.getcwd())
     try:
-        request = RunRequest(
-            run_planned,
-            world_size,
-            args=(plans, list(sys.path), os.getcwd()),
-            timeout=timeout,
-            strict_shapes=state.strict_shapes,
-            watch_modules=("torch.distributed",),  # what a test leaves there is put back, and named
+        codes = run_warm(
+            state, nodeid, run_planned, world_size, args, timeout=bases_timeout(test.id()), watch="torch.distributed"
         )
-        codes = ProcessWorld().run(request)
         errors: dict[int, str] = {}
-    except (WorldTimeout, WorkerDied) as exc:
-        why = "a rank hung" if isinstance(exc, WorldTimeout) else "a worker died"
-        raise
     except RankFailure as exc:
-        if "pool was replaced" in str(exc):  # ranks were stopped after the failure, or a worker is unusable
-            why = "a rank failed while its peers were blocked"
         codes, errors = _codes_of_failure(exc, world_size, error_code)
-    finally:
-        # another pool, or none started (that of the run's first test, started by it, was replaced)
-        if why is None and ((before is not None and pool_token(world_size) != before) or not pool_pids(world_size)):
-            why = "the test left its workers unusable"
-        if why is not None:
-            state.replaced.append(Elsewhere(nodeid, why))
     for rank, p in enumerate(planned):
         p.exitcode = codes[rank]
     test.pid_to_pipe = {p.pid: _Said(errors.get(rank)) for rank, p in enumerate(planned)}

@@ -29,7 +29,8 @@ from typing import Any
 
 import pytest
 
-from dstest.compat._torch_launch import Elsewhere, TorchState, fresh_reason
+from dstest.compat._torch_launch import TorchState, fresh_reason
+from dstest.compat._warm_run import Elsewhere, patch
 
 __all__ = ["adapt_threaded_base"]
 
@@ -74,7 +75,7 @@ def adapt_threaded_base(state: TorchState, base: type) -> None:
     def _spawn_threads(self: Any) -> None:
         why = fresh_reason(state, self)
         if why is not None:
-            state.fresh.append(Elsewhere(state.nodeids.get(self.id(), self.id()), why))
+            state.own.append(Elsewhere(state.nodeids.get(self.id(), self.id()), why))
             spawn(self)
             return
         self.threads = [
@@ -104,10 +105,8 @@ def adapt_threaded_base(state: TorchState, base: type) -> None:
         finally:
             self.perThreadTearDown()
 
-    state.patched[base] = originals
-    setattr(base, _SPAWN, _spawn_threads)
-    setattr(base, _JOIN, classmethod(_join_threads))
-    setattr(base, _RUN_TEST, run_test_with_threaded_pg)
+    replacements = {_SPAWN: _spawn_threads, _JOIN: classmethod(_join_threads), _RUN_TEST: run_test_with_threaded_pg}
+    patch(state, base, replacements, keep=(_CHECK,))
 
 
 def _rank(ctx: Any, plan: _ThreadPlan, outcomes: dict[int, Any]) -> None:

@@ -55,7 +55,8 @@ CPU once and hands out copies of its answer (DeepSpeed asks again for every CPU 
 time); DeepSpeed's compiled ops stay loaded, as its own op cache keeps them within a process.
 
 Where it lives: the pytest hooks here; the patched launch in :mod:`dstest.compat._deepspeed_launch` (it
-reaches the process world only through :mod:`dstest.worlds.process.byref`), one rank's side in
+runs a launch through :mod:`dstest.compat._warm_run`, the warm run every compat plugin shares, and reaches
+the process world only through :mod:`dstest.worlds.process.byref`), one rank's side in
 :mod:`dstest.compat._deepspeed_rank`, the per-run reset in :mod:`dstest.compat._deepspeed_reset`, the fork
 server's imports in :mod:`dstest.compat._deepspeed_preload`.
 
@@ -94,7 +95,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
         if not torch.cuda.is_available():
             os.environ["DS_ACCELERATOR"] = "cpu"  # before the test modules import DeepSpeed
-    config.stash[_STATE_KEY] = LaunchState(strict_shapes=bool(config.getoption("--dstest-strict-shapes", False)))
+    state = LaunchState(strict_shapes=bool(config.getoption("--dstest-strict-shapes", False)))
+    config.stash[_STATE_KEY] = state
+    config.add_cleanup(lambda: restore_executors(state))  # when pytest unconfigures
     import importlib.util
 
     if importlib.util.find_spec("deepspeed") is not None:
@@ -102,12 +105,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
         preload_in_fork_server("dstest.compat._deepspeed_preload")
         start_fork_server()  # imports torch and DeepSpeed in its own process while pytest collects
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    state = config.stash.get(_STATE_KEY, None)
-    if state is not None:
-        restore_executors(state)
 
 
 @pytest.hookimpl(trylast=True)
@@ -132,7 +129,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     state = config.stash.get(_STATE_KEY, None)
-    if state is None or not (state.patched or state.own_world):
+    if state is None or not (state.patched or state.own):
         return
     tr = terminalreporter
     tr.section("dstest: DeepSpeed tests on the warm process world")
@@ -141,8 +138,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         if state.hidden
         else ""
     )
-    tr.line(f"{state.warm_runs} launches ran warm{formed}; {len(state.own_world)} ran on DeepSpeed's own launcher")
-    for e in state.own_world:
+    tr.line(f"{state.warm_runs} launches ran warm{formed}; {len(state.own)} ran on DeepSpeed's own launcher")
+    for e in state.own:
         tr.line(f"  own launcher: {e.nodeid} (world size {e.world_size}): {e.why}")
     for e in state.replaced:
         tr.line(f"  pool replaced after: {e.nodeid} (world size {e.world_size}): {e.why}")

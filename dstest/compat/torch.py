@@ -46,8 +46,9 @@ from typing import Any
 
 import pytest
 
-from dstest.compat._torch_launch import FRESH_ATTR, FRESH_MARK, TorchState, adapt_process_base, restore_bases
+from dstest.compat._torch_launch import FRESH_ATTR, FRESH_MARK, TorchState, adapt_process_base
 from dstest.compat._torch_reset import reset_torch_testing
+from dstest.compat._warm_run import restore
 
 __all__ = ["FRESH_ATTR", "FRESH_MARK", "reset_torch_testing"]
 
@@ -57,7 +58,9 @@ _BASES = "torch.testing._internal.common_distributed"
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{FRESH_MARK}(reason): run this test on its base's own processes, not warm")
-    config.stash[_STATE_KEY] = TorchState(strict_shapes=bool(config.getoption("--dstest-strict-shapes", False)))
+    state = TorchState(strict_shapes=bool(config.getoption("--dstest-strict-shapes", False)))
+    config.stash[_STATE_KEY] = state
+    config.add_cleanup(lambda: restore(state))  # when pytest unconfigures
     import dstest.resets
 
     dstest.resets.register("dstest.compat._torch_reset:reset_torch_testing")
@@ -65,12 +68,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
     preload_in_fork_server("dstest.compat._torch_preload")
     start_fork_server()  # imports torch's test bases in its own process while pytest collects
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    state = config.stash.get(_STATE_KEY, None)
-    if state is not None:
-        restore_bases(state)
 
 
 @pytest.hookimpl(trylast=True)
@@ -116,15 +113,15 @@ def _overridden(cls: type, base: type, names: tuple[str, ...]) -> str | None:
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     state = config.stash.get(_STATE_KEY, None)
-    if state is None or not (state.warm_runs or state.threaded_runs or state.fresh):
+    if state is None or not (state.warm_runs or state.threaded_runs or state.own):
         return
     tr = terminalreporter
     tr.section("dstest: torch's test bases on dstest's worlds")
     tr.line(
         f"{state.warm_runs} process-based tests ran on warm workers, {state.threaded_runs} threaded ones on "
-        f"dstest's threaded world; {len(state.fresh)} on their base's own processes"
+        f"dstest's threaded world; {len(state.own)} on their base's own processes"
     )
-    for e in state.fresh:
+    for e in state.own:
         tr.line(f"  own processes: {e.nodeid}: {e.why}")
     for e in state.replaced:
         tr.line(f"  pool replaced after: {e.nodeid}: {e.why}")
