@@ -1,7 +1,7 @@
 """The checking core (``dstest.worlds.core``): one place for the rules both simulated worlds enforce.
 
-The threaded world's session and the process world's referee both drive :mod:`dstest.worlds.core.matching`,
-and both worlds' process groups are made from the c10d table of :mod:`dstest.worlds.core.c10d`, so the same
+The threaded world's rendezvous and the process world's referee both drive :mod:`dstest.worlds.core.matching`
+and :mod:`dstest.worlds.core.rank_states`, and both worlds' process groups are made from the c10d table of :mod:`dstest.worlds.core.c10d`, so the same
 wrong program must fail with the same error, word for word, in both worlds. These tests run each program
 in both and compare every failing rank's error; and they import the core with torch blocked.
 """
@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 import dstest
 from dstest.errors import CollectiveMismatch, InvalidArgument, RankFailure
-from dstest.worlds.core import c10d, matching
+from dstest.worlds.core import c10d, matching, rank_states
+from dstest.worlds.core.faults import Kill, killed_phrase
 
 pytestmark = pytest.mark.cpu
 
@@ -97,7 +98,7 @@ def test_the_core_imports_without_torch() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "import dstest.worlds.core\n"
-        "from dstest.worlds.core import c10d, matching\n"
+        "from dstest.worlds.core import c10d, matching, rank_states\n"
         "assert not [m for m, v in sys.modules.items() if m.startswith('torch') and v], 'torch was imported'\n"
         "print(len(c10d.METHODS), matching.FINISHED)\n"
     )
@@ -134,6 +135,48 @@ def test_an_exchange_matches_by_the_first_call_and_names_both() -> None:
     )
     assert ex.waiting_for() == [0] and ex.left({0}) == 0
     assert ex.left_text(0).startswith("rank 0 finished its function without joining op(n=3) on group 1 [0, 2]")
+
+
+def test_rank_states_name_how_each_rank_left() -> None:
+    """A call that needs a gone rank fails by how it left: a mismatch (finished), an abort (failed), or a
+    backend error (killed, from the moment the fault fires, before the rank has unwound)."""
+    states = rank_states.RankStates(4)
+    assert states.leave(0) == (rank_states.LEFT, matching.FINISHED)
+    assert states.leave(1, ok=False, summary="ValueError: boom") == (rank_states.FAILED, "failed (ValueError: boom)")
+    kill = Kill(2, "all_reduce", 3)
+    states.kill(2, kill)
+    assert states.how(2) == (rank_states.KILLED, killed_phrase(kill)) and 2 not in states.left
+    assert states.leave(2, ok=False) == (rank_states.KILLED, killed_phrase(kill))
+    assert states.left == {0: matching.FINISHED, 1: "failed (ValueError: boom)", 2: killed_phrase(kill)}
+
+
+def test_rank_states_name_a_killed_member_as_the_cause() -> None:
+    """Of the members of a collective that left without joining it, a killed one is named first."""
+    states = rank_states.RankStates(3)
+    ex = matching.Exchange((0, 1, 2), "world", 1)
+    ex.join(_Call(2, 1))
+    assert states.gone_from(ex) is None
+    states.leave(0)
+    assert states.gone_from(ex) == 0
+    states.kill(1, Kill(1))
+    assert states.gone_from(ex) == 1
+
+
+def test_rank_states_see_a_deadlock_only_when_no_rank_runs() -> None:
+    states = rank_states.RankStates(3)
+    states.wait(0, "post 7")
+    states.leave(1)
+    assert not states.everyone_waits()  # rank 2 still runs and may post what rank 0 waits for
+    states.wait(2, "post 9")
+    assert states.everyone_waits()
+    text = states.deadlock_text(lambda rank, what: (f"{what} of rank {rank}", [1] if rank == 0 else [0]))
+    assert text == matching.deadlock_text(
+        {0: ("post 7 of rank 0", [1]), 2: ("post 9 of rank 2", [0])}, {1: matching.FINISHED}
+    )
+    states.stop_waiting(2, "post 8")  # not what rank 2 waits in: it still waits
+    assert states.everyone_waits()
+    states.stop_waiting(2, "post 9")
+    assert not states.everyone_waits()
 
 
 def test_every_c10d_method_of_the_table_is_on_both_groups() -> None:

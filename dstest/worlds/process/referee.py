@@ -1,7 +1,8 @@
 """The parent side of the cross-rank check: the referee that matches every rank's calls of one run.
 
 The rules (matching by group and sequence number, ranks that left the run, deadlocks, the texts) are the
-checking core's (:mod:`dstest.worlds.core.matching`), which the threaded world's rendezvous drives too; the
+checking core's (:mod:`dstest.worlds.core.matching`, :mod:`dstest.worlds.core.rank_states`), which the
+threaded world's rendezvous drives too; the
 referee is their transport for processes: it reads the ranks' posts from pipes and answers each with a
 verdict ("ok", or the error) that the rank's checked group waits for. A worker that an injected ``Kill``
 ends (contract G5) says so ("killed") just before it kills itself, so the referee fails its peers' calls
@@ -16,8 +17,9 @@ from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
 from dstest.worlds.core import matching
-from dstest.worlds.core.faults import Fault, RankFaults, killed_phrase
-from dstest.worlds.core.matching import FINISHED, Exchange
+from dstest.worlds.core.faults import RankFaults
+from dstest.worlds.core.matching import Exchange
+from dstest.worlds.core.rank_states import RankStates
 
 
 class _Transfer(NamedTuple):
@@ -45,11 +47,12 @@ class _Referee:
         self.transfers = matching.Transfers()  # of _Transfer
         # (rank, post id) -> (what, exchange or transfer key, the peer's global rank and the kind of a transfer)
         self.pending: dict[tuple[int, int], tuple[str, Any, int | None, str]] = {}
-        self.blocked: dict[int, int] = {}  # rank -> post id it waits for
-        self.done: dict[int, str] = {}  # rank -> "finished its function" | "failed (...)"
-        self.failed: set[int] = set()
-        self.killed: dict[int, Fault] = {}  # ranks an injected Kill ended (contract G5)
-        self.tallies: dict[int, RankFaults] = {}  # their fault counters when they died
+        # Where each rank stands (the state machine both worlds follow): the post id a rank waits for, the
+        # ranks that left the run and how, the ranks an injected Kill ended (contract G5).
+        self.states = RankStates(world_size)
+        self.blocked: dict[int, int] = self.states.waiting
+        self.killed = self.states.killed
+        self.tallies: dict[int, RankFaults] = {}  # the killed ranks' fault counters when they died
 
     # -- messages ---------------------------------------------------------------------------------------
     def handle(self, rank: int, blob: bytes) -> None:
@@ -63,12 +66,12 @@ class _Referee:
             self._p2p(rank, *msg[2:])
         elif kind == "wait":
             if (rank, msg[2]) in self.pending:
-                self.blocked[rank] = msg[2]
+                self.states.wait(rank, msg[2])
                 self._detect_deadlock()
         elif kind == "done":
             self._done(rank, bool(msg[2]), str(msg[3]))
         elif kind == "killed":  # an injected Kill: the worker kills itself right after this message
-            self.killed[rank] = msg[2]
+            self.states.kill(rank, msg[2])
             if len(msg) > 3 and msg[3] is not None:
                 self.tallies[rank] = msg[3]
             self._done(rank, False, "")
@@ -77,17 +80,18 @@ class _Referee:
         with contextlib.suppress(EOFError, OSError):
             self.conns[rank].send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
-    def _ok(self, rank: int, post_id: int) -> None:
+    def _answer(self, rank: int, post_id: int, *answer: str) -> None:
+        """Answer rank ``rank``'s post ``post_id`` ("ok", or "err" with the error's kind and message)."""
         self.pending.pop((rank, post_id), None)
-        if self.blocked.get(rank) == post_id:
-            del self.blocked[rank]
-        self._send(rank, ("ok", self.run_id, post_id))
+        self.states.stop_waiting(rank, post_id)
+        verdict, *error = answer
+        self._send(rank, (verdict, self.run_id, post_id, *error))
+
+    def _ok(self, rank: int, post_id: int) -> None:
+        self._answer(rank, post_id, "ok")
 
     def _fail(self, rank: int, post_id: int, kind: str, message: str) -> None:
-        self.pending.pop((rank, post_id), None)
-        if self.blocked.get(rank) == post_id:
-            del self.blocked[rank]
-        self._send(rank, ("err", self.run_id, post_id, kind, message))
+        self._answer(rank, post_id, "err", kind, message)
 
     def _fail_exchange(self, ex: Exchange, kind: str, message: str, skip: int | None = None) -> None:
         """Fail every side of ``ex`` posted so far, and those posted later (``skip``: a rank that left)."""
@@ -95,12 +99,6 @@ class _Referee:
         for r, post_id in ex.sides:
             if r != skip and (r, post_id) in self.pending:
                 self._fail(r, post_id, kind, message)
-
-    def _gone(self, rank: int) -> tuple[str, str]:
-        """(kind, phrase) for a rank that left the run: it finished normally, it failed, or a Kill ended it."""
-        if rank in self.killed:
-            return ("killed", killed_phrase(self.killed[rank]))
-        return ("aborted" if rank in self.failed else "mismatch", self.done[rank])
 
     # -- collectives ----------------------------------------------------------------------------------------
     def _post(
@@ -126,10 +124,9 @@ class _Referee:
         if why is not None:
             self._fail_exchange(ex, "mismatch", why)
             return
-        gone = ex.left(self.killed) if self.killed else None  # a killed peer is the cause, if any
-        gone = ex.left(self.done) if gone is None else gone
+        gone = self.states.gone_from(ex)  # a killed peer first: it is the cause
         if gone is not None:
-            kind, phrase = self._gone(gone)
+            kind, phrase = self.states.how(gone)
             self._fail_exchange(ex, kind, ex.left_text(gone, phrase))
             return
         if ex.missing:
@@ -163,9 +160,9 @@ class _Referee:
         entry = _Transfer(rank, post_id, meta, what)
         other = self.transfers.match(key, kind, entry)
         if other is None:
-            if peer_rank in self.done:
+            if peer_rank in self.states.left:
                 self.transfers.drop(lambda t: t is entry)
-                k, phrase = self._gone(peer_rank)
+                k, phrase = self.states.how(peer_rank)
                 self._fail(rank, post_id, k, matching.p2p_left_text(rank, what, kind, peer_rank, phrase))
             return
         send, recv = (entry, other) if kind == "send" else (other, entry)
@@ -180,13 +177,7 @@ class _Referee:
 
     # -- ranks leaving, deadlocks ---------------------------------------------------------------------------
     def _done(self, rank: int, ok: bool, summary: str) -> None:
-        self.done[rank] = FINISHED if ok else f"failed ({summary})"
-        if rank in self.killed:
-            self.done[rank] = killed_phrase(self.killed[rank])
-        if not ok:
-            self.failed.add(rank)
-        self.blocked.pop(rank, None)
-        kind, phrase = self._gone(rank)
+        kind, phrase = self.states.leave(rank, ok, summary)
         for ex in list(self.exchanges.values()):
             if rank in ex.global_ranks and ex.error is None:  # its own side stays unanswered: it reports that
                 self._fail_exchange(ex, kind, ex.left_text(rank, phrase), skip=rank)
@@ -205,9 +196,8 @@ class _Referee:
         return ex.waiting_for() if ex is not None else []
 
     def _detect_deadlock(self) -> None:
-        if not matching.everyone_waits(self.world_size, len(self.blocked), len(self.done)):
+        if not self.states.everyone_waits():
             return  # some rank is still running and may yet post what the others wait for
-        blocked = {r: (self.pending[(r, p)][0], self._needs(r, p)) for r, p in self.blocked.items()}
-        message = matching.deadlock_text(blocked, self.done)
+        message = self.states.deadlock_text(lambda r, p: (self.pending[(r, p)][0], self._needs(r, p)))
         for r, post_id in list(self.blocked.items()):
             self._fail(r, post_id, "mismatch", message)

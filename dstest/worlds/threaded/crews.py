@@ -25,17 +25,9 @@ from dstest.errors import InvalidArgument
 from dstest.worlds import torch_internals
 from dstest.worlds.request import RunRequest
 from dstest.worlds.stopping import reap
+from dstest.worlds.threaded import ranks
 from dstest.worlds.threaded.failures import Outcome
-from dstest.worlds.threaded.group import BACKEND_NAME, rank_process_group, translate_group
-from dstest.worlds.threaded.ranks import (
-    CollectorPaused,
-    Countdown,
-    await_ranks,
-    batch_scheduling,
-    call_rank,
-    capture_rank_for_thread,
-    finish_run,
-)
+from dstest.worlds.threaded.group import rank_process_group
 from dstest.worlds.threaded.thread_shared import ThreadedRendezvous, watch_module_writes
 
 __all__ = ["CREWS", "Crews", "WarmCrew", "kept_warm_threads", "shutdown_all", "warm_thread_cap"]
@@ -73,22 +65,20 @@ class WarmCrew:
         self.busy = threading.Lock()
         self.broken = False  # a run left a rank without its default group: the crew cannot serve again
         self.retired = False
-        self._install = torch_internals.thread_local_c10d_world(
-            capture_rank_for_thread, translate_group, own_backend=BACKEND_NAME
-        )
+        self._install = ranks.c10d_per_thread()
         self._c10d = self._install.__enter__()
         self._tasks: list[queue.SimpleQueue[Callable[[int], None] | None]] = [
             queue.SimpleQueue() for _ in range(world_size)
         ]
         self._defaults: list[Any] = [None] * world_size
-        self._phase = Countdown(world_size)  # the start, then each run
+        self._phase = ranks.Countdown(world_size)  # the start, then each run
         self._run_id = 0  # the run the ranks serve now: its store prefix (FreshRunState)
         crew = next(_crew_ids)
         self.threads = [
             threading.Thread(target=self._main, args=(r,), name=f"{_WARM_PREFIX}{crew}-rank{r}", daemon=True)
             for r in range(world_size)
         ]
-        paused = CollectorPaused(world_size, settle=True)
+        paused = ranks.CollectorPaused(world_size, settle=True)
         try:
             for t in self.threads:
                 t.start()
@@ -100,7 +90,7 @@ class WarmCrew:
             raise next(iter(self._phase.errors.values()))
 
     def _main(self, rank: int) -> None:
-        batch_scheduling()
+        ranks.batch_scheduling()
         try:
             with rank_process_group(self._c10d, self.rendezvous, rank, self.device, timedelta(days=1)):
                 self._defaults[rank] = dist.group.WORLD
@@ -130,22 +120,20 @@ class WarmCrew:
         rendezvous = self.rendezvous
         rendezvous.reset()
         watch_module_writes()
-        rendezvous.configure(
-            recorder, hazards=request.async_hazards, strict_shapes=request.strict_shapes, faults=request.faults
-        )
+        rendezvous.configure(recorder, request)
         timeout = request.timeout
         torch_internals.thread_local_c10d_world_ensure()
         outcome = Outcome(self.world_size)
 
         def task(rank: int) -> None:
-            call_rank(rendezvous, rank, request, make_ctx(rank), outcome)
+            ranks.call_rank(rendezvous, rank, request, make_ctx(rank), outcome)
 
-        phase = self._phase = Countdown(self.world_size)
+        phase = self._phase = ranks.Countdown(self.world_size)
         self._run_id += 1
         for q in self._tasks:
             q.put(task)
         try:
-            notes = await_ranks(phase, rendezvous, self.threads, timeout, outcome)
+            notes = ranks.await_ranks(phase, rendezvous, self.threads, timeout, outcome)
         except BaseException:
             self.close(grace=0.5)
             raise
@@ -154,7 +142,7 @@ class WarmCrew:
         rendezvous.forget_groups(set(self._defaults))
         if outcome.failures or notes or rendezvous.leftovers() or self.broken:
             self.close(grace=0.5)
-        return finish_run(rendezvous, outcome, notes)
+        return ranks.finish_run(rendezvous, outcome, notes)
 
     def usable(self) -> bool:
         return not self.retired and all(t.is_alive() for t in self.threads)

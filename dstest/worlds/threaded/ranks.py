@@ -34,7 +34,7 @@ from dstest.worlds.core.faults import Killed
 from dstest.worlds.request import RunRequest
 from dstest.worlds.stopping import interrupt, stacks_of
 from dstest.worlds.threaded.failures import Outcome, RankKilled, timeout_error
-from dstest.worlds.threaded.group import binding
+from dstest.worlds.threaded.group import BACKEND_NAME, binding, translate_group
 from dstest.worlds.threaded.rendezvous import Rendezvous
 from dstest.worlds.threaded.thread_shared import ThreadedRendezvous
 
@@ -44,6 +44,7 @@ __all__ = [
     "Countdown",
     "await_ranks",
     "batch_scheduling",
+    "c10d_per_thread",
     "call_rank",
     "capture_rank_for_thread",
     "finish_run",
@@ -182,6 +183,12 @@ def capture_rank_for_thread() -> Callable[[], Any] | None:
             torch_internals.adopt_rank_state(None)
 
     return as_rank
+
+
+def c10d_per_thread() -> Any:
+    """The context in which each rank thread has its own c10d state (and helper threads act as their rank):
+    a warm crew holds it for its life, a cold run for the run."""
+    return torch_internals.thread_local_c10d_world(capture_rank_for_thread, translate_group, own_backend=BACKEND_NAME)
 
 
 _LAST_RUN = threading.local()

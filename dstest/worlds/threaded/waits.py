@@ -28,17 +28,19 @@ class Waitable:
     without it is safe (it only ever goes from False to True).
     """
 
+    # Each field starts as the class's value and is set on the instance when it changes: one wait is made
+    # per rank per collective, so its constructor sets only what differs.
     where = ""
     record: _trace.CallRecord | None = None  # what the run's recorder keeps of this call (see _trace)
     after: Any = None  # with async hazards: copies the result into the caller's tensors at the wait
+    done = False
+    error: BaseException | None = None
+    futures: list[torch.futures.Future[Any]] | None = None
+    _waiter: Any = None  # a held lock while the rank sleeps on this wait (see Rendezvous.wait)
 
     def __init__(self, session: Any, global_rank: int) -> None:
         self.session = session
         self.global_rank = global_rank
-        self.done = False
-        self.error: BaseException | None = None
-        self.futures: list[torch.futures.Future[Any]] | None = None
-        self._waiter: Any = None  # a held lock while the rank sleeps on this wait (see Rendezvous.wait)
 
     def describe(self) -> str:
         raise NotImplementedError
@@ -84,13 +86,8 @@ class CollectiveWait(Waitable):
     """One rank's side of one collective (its ``Call``, and the exchange that matches it across ranks)."""
 
     def __init__(self, session: Any, global_rank: int, call: C.Call, exchange: Exchange) -> None:
-        # Waitable.__init__'s fields set here directly: one of these is made per rank per collective.
-        self.session = session
+        self.session = session  # Waitable.__init__'s two fields set here directly: the hot path
         self.global_rank = global_rank
-        self.done = False
-        self.error = None
-        self.futures = None
-        self._waiter = None
         self.call = call
         self.exchange = exchange
 

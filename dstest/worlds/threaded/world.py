@@ -8,8 +8,10 @@ The package, one module per job (each imports only those before it in this list)
 - :mod:`~dstest.worlds.threaded.work`: the ``Work`` handle a collective returns;
 - :mod:`~dstest.worlds.threaded.group`: dstest's c10d backend, the ``Group`` torch sees, a rank thread's
   default group;
-- :mod:`~dstest.worlds.threaded.rendezvous`: matching every rank's calls (the checking core's rules),
-  delivery, deadlocks, ranks that leave;
+- :mod:`~dstest.worlds.threaded.departures`: the state of one run, and what ranks that leave it, deadlocks
+  and aborts do to the others (the checking core's state machine, :mod:`dstest.worlds.core.rank_states`);
+- :mod:`~dstest.worlds.threaded.rendezvous`: matching every rank's calls (the checking core's rules) and
+  delivering their results;
 - :mod:`~dstest.worlds.threaded.thread_shared`: the rendezvous of rank threads, with the watch on what they
   share that processes would not (module globals, module attributes, torch's generator);
 - :mod:`~dstest.worlds.threaded.ranks`: one rank thread's body, waiting for the ranks, a run's end;
@@ -36,14 +38,14 @@ from dstest.worlds.request import RunRequest
 from dstest.worlds.stopping import reap
 from dstest.worlds.threaded.crews import CREWS
 from dstest.worlds.threaded.failures import Outcome
-from dstest.worlds.threaded.group import BACKEND_NAME, rank_process_group, register_backend, translate_group
+from dstest.worlds.threaded.group import rank_process_group, register_backend
 from dstest.worlds.threaded.ranks import (
     CollectorPaused,
     Countdown,
     await_ranks,
     batch_scheduling,
+    c10d_per_thread,
     call_rank,
-    capture_rank_for_thread,
     finish_run,
     forget_last_run,
     is_consequence,
@@ -132,15 +134,11 @@ class ThreadedWorld:
         world_size, timeout = request.world_size, request.timeout
         watch_module_writes()
         rendezvous = ThreadedRendezvous(world_size)
-        rendezvous.configure(
-            recorder, hazards=request.async_hazards, strict_shapes=request.strict_shapes, faults=request.faults
-        )
+        rendezvous.configure(recorder, request)
         outcome = Outcome(world_size)
         phase = Countdown(world_size)
         paused = CollectorPaused(world_size)
-        with torch_internals.thread_local_c10d_world(
-            capture_rank_for_thread, translate_group, own_backend=BACKEND_NAME
-        ) as c10d_world:
+        with c10d_per_thread() as c10d_world:
 
             def rank_main(rank: int) -> None:
                 batch_scheduling()
