@@ -235,56 +235,66 @@ def _note_status(status: dict[str, dict[str, int]], pg_id: int, seq: int, state:
         row["last_completed_collective"] = max(row["last_completed_collective"], seq)
 
 
-def _rank_dump(
-    recorder: Recorder,
-    rank: int,
-    records: dict[int, list[CallRecord]],
-    groups: dict[str, _Group],
-    backend: str,
-    timeout_ms: int,
-) -> dict[str, Any]:
-    # Records hold perf_counter_ns (the monotonic clock); the dump holds wall-clock times.
-    shift = time.time_ns() - time.perf_counter_ns()
-    log = recorder.logs.get(rank)
-    first_id = log.dropped if log is not None else 0
-    last_seq: dict[str, int] = {}
-    p2p_seq: dict[str, int] = {}
-    op_ids: dict[str, int] = {}
-    status: dict[str, dict[str, int]] = {}
-    entries: list[dict[str, Any]] = []
-    for index, rec in enumerate(records.get(rank, [])):
-        group = groups[rec.group]
-        is_p2p = rec.kind == "p2p"
-        op_ids[group.label] = op_ids.get(group.label, 0) + 1
-        if is_p2p:
-            p2p_seq[group.label] = p2p_seq.get(group.label, 0) + 1
-            me, peer = group.local(rank), group.local(rec.peer if rec.peer is not None else rank)
-            arrow = f"{me}->{peer}" if rec.op == "send" else f"{me}<-{peer}"
-            name = f"{backend}:{rec.op} {arrow}"
-            seq = last_seq.get(group.label, 0)
-        else:
-            name = f"{backend}:{_PROFILING_NAMES.get(rec.op, rec.op)}"
-            seq = rec.seq if rec.seq is not None else last_seq.get(group.label, 0) + 1
-            last_seq[group.label] = seq
-        root = rec.root is not None and group.local(rank) == rec.root
-        inputs, outputs = _sizes(rec, len(group.ranks), root)
+class _Numbering:
+    """A rank's running numbers per group, as torch's recorder gives them: the group's sequence number of
+    its last collective (a transfer carries it), its count of transfers, and its count of calls."""
+
+    def __init__(self) -> None:
+        self.last_seq: dict[str, int] = {}
+        self.p2p_seq: dict[str, int] = {}
+        self.op_ids: dict[str, int] = {}
+
+    def next(self, rec: CallRecord, label: str) -> tuple[int, int, int]:
+        """(``collective_seq_id``, ``p2p_seq_id``, ``op_id``) of the rank's next call on the group ``label``."""
+        op_id = self.op_ids[label] = self.op_ids.get(label, 0) + 1
+        if rec.kind == "p2p":
+            p2p = self.p2p_seq[label] = self.p2p_seq.get(label, 0) + 1
+            return self.last_seq.get(label, 0), p2p, op_id
+        seq = self.last_seq[label] = rec.seq if rec.seq is not None else self.last_seq.get(label, 0) + 1
+        return seq, 0, op_id
+
+
+def _profiling_name(rec: CallRecord, group: _Group, rank: int, backend: str) -> str:
+    """``"nccl:all_reduce"``; a transfer ``"nccl:send 0->1"`` / ``"nccl:recv 1<-0"``, in group ranks."""
+    if rec.kind != "p2p":
+        return f"{backend}:{_PROFILING_NAMES.get(rec.op, rec.op)}"
+    me, peer = group.local(rank), group.local(rec.peer if rec.peer is not None else rank)
+    arrow = f"{me}->{peer}" if rec.op == "send" else f"{me}<-{peer}"
+    return f"{backend}:{rec.op} {arrow}"
+
+
+class _Entries:
+    """One rank's entries, oldest first, and the ``pg_status`` rows of its groups, as its calls are added."""
+
+    def __init__(self, rank: int, backend: str, timeout_ms: int, first_id: int) -> None:
+        self.rank, self.backend, self.timeout_ms = rank, backend, timeout_ms
+        self.next_id = first_id  # the analyzer aligns ranks on it: calls the ring dropped count too
+        self.shift = time.time_ns() - time.perf_counter_ns()  # records hold the monotonic clock, dumps wall time
+        self.numbering = _Numbering()
+        self.status: dict[str, dict[str, int]] = {}
+        self.entries: list[dict[str, Any]] = []
+
+    def add(self, rec: CallRecord, group: _Group) -> None:
+        rank, shift, is_p2p = self.rank, self.shift, rec.kind == "p2p"
+        seq, p2p_seq, op_id = self.numbering.next(rec, group.label)
+        inputs, outputs = _sizes(rec, len(group.ranks), rec.root is not None and group.local(rank) == rec.root)
         dtype = scalar_type(rec.dtype)
         state = _state(rec)
         if not is_p2p:
-            _note_status(status, group.pg_id, seq, state)
+            _note_status(self.status, group.pg_id, seq, state)
         done = rec.t_done if state == "completed" else None
         # Started: when the rank began waiting in it, or when it completed if that came first (a call a
         # rank waits for later may be over by then).
         started = rec.t_wait if done is None or rec.t_wait is None else min(rec.t_wait, done)
-        entries.append(
+        self.entries.append(
             {
-                "record_id": first_id + index,
+                "record_id": self.next_id,
                 "pg_id": group.pg_id,
                 "process_group": (group.name, group.desc),
                 "collective_seq_id": seq,
-                "p2p_seq_id": p2p_seq.get(group.label, 0) if is_p2p else 0,
-                "op_id": op_ids[group.label],
-                "profiling_name": name,
+                "p2p_seq_id": p2p_seq,
+                "op_id": op_id,
+                "profiling_name": _profiling_name(rec, group, rank, self.backend),
                 "time_created_ns": rec.t_post + shift,
                 "input_sizes": inputs,
                 "input_dtypes": [dtype] * len(inputs),
@@ -294,7 +304,7 @@ def _rank_dump(
                 "time_discovered_started_ns": started + shift if started is not None else None,
                 "time_discovered_completed_ns": done + shift if done is not None else None,
                 "duration_ms": (done - rec.t_post) / 1e6 if done is not None else None,
-                "timeout_ms": timeout_ms,
+                "timeout_ms": self.timeout_ms,
                 "retired": rec.t_done is not None,
                 "is_p2p": is_p2p,
                 "frames": _frames(rec),
@@ -302,6 +312,21 @@ def _rank_dump(
                 "thread_name": f"dstest rank {rank}",
             }
         )
+        self.next_id += 1
+
+
+def _rank_dump(
+    recorder: Recorder,
+    rank: int,
+    records: dict[int, list[CallRecord]],
+    groups: dict[str, _Group],
+    backend: str,
+    timeout_ms: int,
+) -> dict[str, Any]:
+    log = recorder.logs.get(rank)
+    written = _Entries(rank, backend, timeout_ms, log.dropped if log is not None else 0)
+    for rec in records.get(rank, []):
+        written.add(rec, groups[rec.group])
     pg_config = {
         g.name: {"name": g.name, "desc": g.desc, "ranks": str(list(g.ranks))}
         for g in groups.values()
@@ -312,8 +337,8 @@ def _rank_dump(
         "comm_lib_version": f"dstest ({recorder.world} world)",
         "rank": rank,
         "pg_config": pg_config,
-        "pg_status": status,
-        "entries": entries,
+        "pg_status": written.status,
+        "entries": written.entries,
     }
 
 
