@@ -9,9 +9,10 @@ and one ``all_reduce`` of a flat fp32 tensor of the same element count (what DDP
 failing case: one element of one parameter changed on rank 1 (digests, then that parameter's values
 gathered, compared and reported). Medians of R interleaved repetitions, wall seconds, per rank 0.
 
-``--baseline REV`` also times ``dstest/replicas.py`` as it was at git revision REV (``git show REV:...`` into a
-temporary file, imported beside the current one), interleaved with the current one on the same model and
-world: the before and after of a change, in one run, under the same load.
+``--baseline REV`` also times the replica check as it was at git revision REV (``git show REV:...`` into a
+temporary folder, imported beside the current one: the module ``dstest/replicas.py``, or since issue 41 the
+package ``dstest/replicas/``), interleaved with the current one on the same model and world: the before and
+after of a change, in one run, under the same load.
 """
 
 from __future__ import annotations
@@ -46,15 +47,24 @@ def _model(params: int) -> nn.Module:
 
 
 _LOADING = threading.Lock()
+#: The name the older replica check is imported under.
+_BASELINE = "_replicas_baseline"
 
 
 def _baseline(path: str) -> Callable[..., None]:
-    """``assert_replicas`` of the module file at ``path`` (an older dstest/replicas.py), imported under a name of
-    its own so that it stands beside the current one (once per process: the threaded world's ranks share it)."""
-    name = "_replicas_baseline"
+    """``assert_replicas`` of the replica check at ``path`` (a module file, or a package folder: see
+    :func:`_old_module`), imported under a name of its own so that it stands beside the current one (once per
+    process: the threaded world's ranks share it)."""
+    name = _BASELINE
     with _LOADING:
         if name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(name, path)
+            folder = Path(path)
+            if folder.is_dir():
+                spec = importlib.util.spec_from_file_location(
+                    name, folder / "__init__.py", submodule_search_locations=[str(folder)]
+                )
+            else:
+                spec = importlib.util.spec_from_file_location(name, path)
             assert spec is not None and spec.loader is not None
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module  # dataclasses look their module up while the file runs
@@ -101,14 +111,27 @@ def measure(ctx: Any, params: int, reps: int, baseline: str | None) -> dict[str,
     return out
 
 
+def _git_show(rev: str, path: str) -> str:
+    return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
 def _old_module(rev: str, folder: str) -> str:
-    """``dstest/replicas.py`` at git revision ``rev``, written into ``folder``; its path."""
-    source = subprocess.run(
-        ["git", "show", f"{rev}:dstest/replicas.py"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout
-    path = Path(folder) / "replicas_baseline.py"
-    path.write_text(source)
-    return str(path)
+    """The replica check at git revision ``rev``, written into ``folder``; its path. A package (``dstest/replicas/``,
+    since issue 41) is written as a package of its own, its modules' imports of each other pointed at the copy."""
+    listed = subprocess.run(
+        ["git", "ls-tree", "--name-only", rev, "dstest/replicas/"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    if not listed:  # one module before issue 41
+        path = Path(folder) / "replicas_baseline.py"
+        path.write_text(_git_show(rev, "dstest/replicas.py"))
+        return str(path)
+    package = Path(folder) / _BASELINE
+    package.mkdir()
+    for name in listed:
+        if name.endswith(".py"):
+            source = _git_show(rev, name).replace("dstest.replicas.", f"{_BASELINE}.")
+            (package / Path(name).name).write_text(source)
+    return str(package)
 
 
 def main() -> None:
@@ -117,7 +140,7 @@ def main() -> None:
     parser.add_argument("--world", default="threaded", choices=["threaded", "process"])
     parser.add_argument("--size", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--baseline", default=None, metavar="REV", help="also time dstest/replicas.py at REV")
+    parser.add_argument("--baseline", default=None, metavar="REV", help="also time the replica check at REV")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         baseline = None if args.baseline is None else _old_module(args.baseline, folder)

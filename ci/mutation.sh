@@ -33,7 +33,7 @@ tests_for() {  # the fast tests that exercise one checker's module directly
   case "$1" in
     dstest/worlds/core/matching.py | dstest/worlds/core/c10d.py)
       echo tests/test_checker_properties_matching.py tests/test_core_mutants.py tests/test_core.py ;;
-    dstest/replicas.py) echo tests/test_checker_properties_replicas.py tests/test_replicas.py tests/test_replicas_mutants.py ;;
+    dstest/replicas/*.py) echo tests/test_checker_properties_replicas.py tests/test_replicas.py tests/test_replicas_mutants.py ;;
     dstest/crosscheck.py | dstest/compare.py)  # compare.py: crosscheck's comparison, moved there as it was
       echo tests/test_checker_properties_crosscheck.py tests/test_crosscheck.py tests/test_crosscheck_mutants.py ;;
     dstest/worlds/core/faults.py)

@@ -26,8 +26,9 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 import dstest
-from dstest import replicas
 from dstest.errors import InvalidArgument, ReplicasDiverge
+from dstest.replicas import layouts, structure
+from dstest.replicas import values as replica_values
 
 pytestmark = pytest.mark.cpu
 
@@ -377,10 +378,11 @@ def test_dicts_on_the_process_world():
 @given(recipe=recipes())
 def test_the_digest_tells_bytes_apart(recipe):
     """Equal digests exactly for equal bytes of the values, whatever the layout and whatever is in its gaps."""
+    digest = replica_values._digest
     for change in _every_kind(recipe):
         before, after = _tensor(change, 0, -1), _tensor(change, 1, 1)
-        assert replicas._digest(before) == replicas._digest(_logical(change, False))
-        assert (replicas._digest(before) == replicas._digest(after)) == (not _differ(change)), change["kind"]
+        assert digest(before) == digest(_logical(change, False))
+        assert (digest(before) == digest(after)) == (not _differ(change)), change["kind"]
 
 
 finite_or_not = st.floats(allow_nan=True, allow_infinity=True, width=64) | st.sampled_from(
@@ -390,7 +392,7 @@ tolerances = st.sampled_from([0.0, 1e-6, 0.5, 1.0]) | st.floats(0, 10)
 
 
 def _entry(values: torch.Tensor) -> Any:
-    return replicas._Entry("tensor 'x'", "tensor", None, (0, 1), tuple(values.shape), values.dtype, tensor=values)
+    return layouts.Entry("tensor 'x'", "tensor", None, (0, 1), tuple(values.shape), values.dtype, tensor=values)
 
 
 def _float_close(g: float, w: float, rtol: float, atol: float) -> bool:
@@ -409,7 +411,7 @@ def _float_close(g: float, w: float, rtol: float, atol: float) -> bool:
 def test_comparison_of_floats_follows_the_documented_rule(pairs, dtype, rtol, atol):
     want = torch.tensor([w for w, _ in pairs], dtype=torch.float64).to(dtype)
     got = torch.tensor([g for _, g in pairs], dtype=torch.float64).to(dtype)
-    text = replicas._compare(_entry(want), [want, got], rtol, atol)
+    text = replica_values.compare(_entry(want), [want, got], rtol, atol)
     same_bits = torch.equal(want.view(torch.uint8), got.view(torch.uint8))
     if rtol == 0 and atol == 0:
         assert (text is None) == same_bits
@@ -426,7 +428,7 @@ def test_comparison_of_int64_is_exact(pairs, rtol, atol):
     """Integers: the exact difference (rounded once to float64), never the difference of rounded values."""
     want = torch.tensor([w for w, _ in pairs], dtype=torch.int64)
     got = torch.tensor([g for _, g in pairs], dtype=torch.int64)
-    text = replicas._compare(_entry(want), [want, got], rtol, atol)
+    text = replica_values.compare(_entry(want), [want, got], rtol, atol)
     if rtol == 0 and atol == 0:
         assert (text is None) == (want.tolist() == got.tolist())
         return
@@ -444,13 +446,13 @@ def _described(names: list[str]) -> list[Any]:
 )
 def test_names_are_matched_whatever_their_order(names, data):
     shuffled = data.draw(st.permutations(names))
-    order, finding = replicas._match_structure([_described(names), _described(shuffled)], (0, 1))
+    order, finding = structure._match_structure([_described(names), _described(shuffled)], (0, 1))
     assert finding is None
     assert [name for name, _ in order] == [f"tensor {n!r}" for n in names]
     dropped = data.draw(st.sets(st.sampled_from(names))) if names else set()
     added = data.draw(st.sets(st.text("xyz", min_size=1, max_size=3), max_size=3))
     theirs = [n for n in shuffled if n not in dropped] + sorted(added)
-    _, finding = replicas._match_structure([_described(names), _described(theirs)], (0, 1))
+    _, finding = structure._match_structure([_described(names), _described(theirs)], (0, 1))
     assert (finding is None) == (not dropped and not added)
     if finding is not None:
         listed = [f"tensor {n!r}" for n in names if n in dropped][:5]
@@ -463,7 +465,7 @@ def test_names_a_rank_cannot_tell_apart_are_an_invalid_argument():
     """Two dict keys with the same repr (two objects that print alike) cannot be matched across ranks: every rank
     raises the same InvalidArgument, from the same gathered lists."""
     with pytest.raises(InvalidArgument, match=r"rank 1 holds two tensors named tensor 'a'"):
-        replicas._match_structure([_described(["a"]), _described(["a", "a"])], (0, 1))
+        structure._match_structure([_described(["a"]), _described(["a", "a"])], (0, 1))
 
 
 # -- dtypes without arithmetic (bits8, bits16, packed float4) --------------------------------------------------------

@@ -552,18 +552,18 @@ def _swap_and_change(ctx) -> list[str | None]:
 def test_elements_found_on_both_paths(monkeypatch, path):
     """The elements that differ are found with numpy where it is there and with torch where it is not (torch runs
     without numpy): both name the swapped pair; the digest reads bytes without numpy either way."""
-    from dstest import replicas
+    from dstest.replicas import values
 
     if path == "torch":
-        monkeypatch.setattr(replicas, "_numpy", lambda: None)
+        monkeypatch.setattr(values, "_numpy", lambda: None)
     results = dstest.run(_swap_and_change, 2)
     assert results[0] == results[1]
     assert results[0][0] is None
     assert "tensor [0] (float32[3000]) differs bit for bit: ranks [0] vs ranks [1]" in str(results[0][1])
     assert "at index (17,)" in str(results[0][1]) or "at index (5,)" in str(results[0][1])
     t = torch.arange(10.0)
-    assert replicas._digest(t) == replicas._digest(t.clone())
-    assert replicas._digest(t) != replicas._digest(t.flip(0))
+    assert values._digest(t) == values._digest(t.clone())
+    assert values._digest(t) != values._digest(t.flip(0))
 
 
 @dstest.spec(world_size=[2], worlds=WORLDS, contract="G4")

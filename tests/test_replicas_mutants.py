@@ -1,6 +1,6 @@
 """assert_replicas' details that mutation testing showed no fast test pinned down (docs/checking-the-checkers.md).
 
-``bash ci/mutation.sh dstest/replicas.py`` runs mutmut over :mod:`dstest.replicas` with the checker's
+``bash ci/mutation.sh dstest/replicas/*.py`` runs mutmut over :mod:`dstest.replicas` with the checker's
 properties (tests/test_checker_properties_replicas.py), the threaded world's tests of tests/test_replicas.py
 and this file. Each test here states what contract G4 promises (every rank of the group gets the same verdict,
 the message names what differs, where and by how much; bad arguments are refused before any collective) and
@@ -161,10 +161,10 @@ def _one_element_apart(ctx: RankContext) -> list[str | None]:
 def test_the_element_that_differs_is_found_for_every_element_size_with_or_without_numpy(
     monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
-    from dstest import replicas
+    from dstest.replicas import values
 
     if path == "torch":  # torch runs without numpy: the elements are then compared with torch alone
-        monkeypatch.setattr(replicas, "_numpy", lambda: None)
+        monkeypatch.setattr(values, "_numpy", lambda: None)
     results = dstest.run(_one_element_apart, 2)
     assert results[0] == results[1]
     for dtype, text in zip(_DTYPES, results[0]):
@@ -435,9 +435,9 @@ def test_the_element_that_differs_in_a_one_element_complex128_tensor_is_found_wi
 ) -> None:
     """G4 without numpy: a 16-byte element is two int64 words, and the element that differs is found by element,
     not by word (its imaginary word is no element of its own)."""
-    from dstest import replicas
+    from dstest.replicas import values
 
-    monkeypatch.setattr(replicas, "_numpy", lambda: None)
+    monkeypatch.setattr(values, "_numpy", lambda: None)
     tail = "differs bit for bit: ranks [0] vs ranks [1]; largest absolute difference 1 at index"
     expected = [
         HEAD + f"tensor 'z' (complex128[]) {tail} () (rank 0: 0j, rank 1: 1j)",
