@@ -240,6 +240,29 @@ def _versions() -> str:
     return ", ".join(shown)
 
 
+def _filters(targets: Sequence[str], contracts: Sequence[str]) -> str:
+    """The page's filter form: a target, a contract, the outcomes shown, a text to look for."""
+    option = '<option value="{0}">{0}</option>'.format
+    boxes = "".join(
+        f'<label><input type="checkbox" name="outcome" value="{status}" checked> {SYMBOL[status]}</label>'
+        for status in _OUTCOMES
+    )
+    lines = [
+        '<form id="filters" autocomplete="off">',
+        '<label>target <select name="target"><option value="">all</option>'
+        + "".join(option(html.escape(t, quote=True)) for t in targets)
+        + "</select></label>",
+        '<label>contract <select name="contract"><option value="">all</option>'
+        + "".join(option(html.escape(c, quote=True)) for c in contracts)
+        + "</select></label>",
+        f"<span>{boxes}</span>",
+        '<label>text <input type="search" name="text" placeholder="spec, parameter, message"></label>',
+        '<button type="reset">clear filters</button>',
+        "</form>",
+    ]
+    return "\n".join(lines)
+
+
 def render(
     results: Sequence[Result],
     *,
@@ -260,11 +283,6 @@ def render(
     sections = [_target_section(t, [(i, r) for i, r in indexed if r.target == t], plugins) for t in targets]
     took = f" in {seconds:.1f} s" if seconds is not None else ""
     csp = f"default-src 'none'; style-src {_digest(_STYLE)}; script-src {_digest(_SCRIPT)}; img-src data:"
-    option = '<option value="{0}">{0}</option>'.format
-    boxes = "".join(
-        f'<label><input type="checkbox" name="outcome" value="{status}" checked> {SYMBOL[status]}</label>'
-        for status in _OUTCOMES
-    )
     shown_counts = "".join(
         f'<span class="count {cls}"><span data-count="{status}">{total[status]}</span> {SYMBOL[status]}</span>'
         for status, cls in _OUTCOMES.items()
@@ -285,17 +303,7 @@ def render(
         page.append(f'<p class="meta">command: <code>{html.escape(command)}</code></p>')
     page += [
         f'<div id="counts">{shown_counts}<span id="shown">{len(results)} of {len(results)} runs shown</span></div>',
-        '<form id="filters" autocomplete="off">',
-        '<label>target <select name="target"><option value="">all</option>'
-        + "".join(option(html.escape(t, quote=True)) for t in targets)
-        + "</select></label>",
-        '<label>contract <select name="contract"><option value="">all</option>'
-        + "".join(option(html.escape(c, quote=True)) for c in contracts)
-        + "</select></label>",
-        f"<span>{boxes}</span>",
-        '<label>text <input type="search" name="text" placeholder="spec, parameter, message"></label>',
-        '<button type="reset">clear filters</button>',
-        "</form></header>",
+        _filters(targets, contracts) + "</header>",
         "<main>",
         *sections,
         "</main>",
