@@ -16,7 +16,11 @@ import torch
 __all__ = ["torch_switches"]
 
 
-def torch_switches() -> tuple[tuple[str, Callable[[], Any], Callable[[Any], Any] | None], ...]:
+#: One setting: (what the state watch calls it, its getter, its setter or None).
+_Switch = tuple[str, Callable[[], Any], Callable[[Any], Any] | None]
+
+
+def torch_switches() -> tuple[_Switch, ...]:
     """torch's process-wide settings: (what the state watch calls it, its getter, its setter or None), made
     once; a getter this torch lacks, or that fails here, is left out.
 
@@ -28,6 +32,17 @@ def torch_switches() -> tuple[tuple[str, Callable[[], Any], Callable[[Any], Any]
     """
     if _SWITCHES:
         return _SWITCHES[0]
+    usable = []
+    for label, get, put in _settings() + _backend_flags():
+        with contextlib.suppress(Exception):
+            get()
+            usable.append((label, get, put))
+    _SWITCHES.append(tuple(usable))
+    return _SWITCHES[0]
+
+
+def _settings() -> list[_Switch]:
+    """The settings torch has getters and setters for, the print options and autograd's multithreading switch."""
     c: Any = torch._C
     opts = torch._tensor_str.PRINT_OPTS
 
@@ -42,7 +57,7 @@ def torch_switches() -> tuple[tuple[str, Callable[[], Any], Callable[[Any], Any]
         torch.set_autocast_enabled("cpu", value[0])
         torch.set_autocast_dtype("cpu", value[1])
 
-    table: list[tuple[str, Callable[[], Any], Callable[[Any], Any] | None]] = [
+    return [
         ("default dtype", torch.get_default_dtype, torch.set_default_dtype),
         ("default device", torch.get_default_device, torch.set_default_device),
         (
@@ -67,7 +82,13 @@ def torch_switches() -> tuple[tuple[str, Callable[[], Any], Callable[[Any], Any]
         ("autocast cache", torch.is_autocast_cache_enabled, torch.set_autocast_cache_enabled),
         ("autograd multithreading", c._is_multithreading_enabled, c._set_multithreading_enabled),
     ]
-    for name in _C_SWITCHES:  # torch.backends' flags, by their getters and setters in torch._C
+
+
+def _backend_flags() -> list[_Switch]:
+    """The flags of ``torch.backends`` and the fp32 precisions, by their getters and setters in ``torch._C``."""
+    c: Any = torch._C
+    table: list[_Switch] = []
+    for name in _C_SWITCHES:
         get, put = getattr(c, f"_get_{name}", None), getattr(c, f"_set_{name}", None)
         if get is not None and put is not None:
             table.append((name, get, _spread(put)))
@@ -78,13 +99,7 @@ def torch_switches() -> tuple[tuple[str, Callable[[], Any], Callable[[Any], Any]
     if get_precision is not None and put_precision is not None:
         for backend, op in _FP32_PRECISIONS:
             table.append((f"fp32 precision of {backend} {op}", *_precision(get_precision, put_precision, backend, op)))
-    usable = []
-    for label, get, put in table:  # a getter this torch lacks, or that fails here, is left out
-        with contextlib.suppress(Exception):
-            get()
-            usable.append((label, get, put))
-    _SWITCHES.append(tuple(usable))
-    return _SWITCHES[0]
+    return table
 
 
 def _precision(get: Any, put: Any, backend: str, op: str) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
@@ -97,7 +112,7 @@ def _spread(put: Callable[..., Any]) -> Callable[[Any], Any]:
     return lambda value: put(*value) if type(value) is tuple else put(value)
 
 
-_SWITCHES: list[tuple[tuple[str, Callable[[], Any], Callable[[Any], Any] | None], ...]] = []
+_SWITCHES: list[tuple[_Switch, ...]] = []
 
 #: Flags of torch.backends kept in torch._C as _get_<name>/_set_<name> (torch 2.11-2.15; a missing one is
 #: skipped).
