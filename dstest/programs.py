@@ -19,27 +19,14 @@ import torch
 import torch.distributed as dist
 
 from dstest.errors import InvalidArgument
+from dstest.worlds.core.c10d import COLLECTIVES
 
 __all__ = ["GLOO_KINDS", "KINDS", "Op", "Program", "execute", "op_inputs", "reference"]
 
-#: Every kind of op a program can hold (contract E1).
-KINDS = (
-    "all_reduce",
-    "broadcast",
-    "reduce",
-    "all_gather",
-    "all_gather_uneven",
-    "all_gather_into_tensor",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "all_to_all_single",
-    "gather",
-    "scatter",
-    "send_recv",
-    "batch_isend_irecv",
-    "barrier",
-)
+#: Every kind of op a program can hold (contract E1): each collective of the c10d table, and three a program
+#: makes of the table's methods: an all_gather of pieces of different sizes, a send with its recv, and a
+#: batch of isend/irecv.
+KINDS = (*COLLECTIVES, "all_gather_uneven", "send_recv", "batch_isend_irecv")
 #: Kinds gloo implements (torch 2.13), so it can serve as the oracle; the rest use the reference.
 GLOO_KINDS = frozenset(KINDS) - {"all_gather_uneven", "reduce_scatter"}
 REDUCE_OPS = ("sum", "product", "min", "max", "avg", "band", "bor", "bxor")

@@ -18,7 +18,10 @@ import torch.distributed as dist
 import dstest
 from dstest.errors import RankFailure, WorldTimeout
 from dstest.trace import FR_PREFIX, write_flight_recorder
-from dstest.trace.flight_recorder import analyzer_command, rank_dump, scalar_type
+from dstest.trace.flight_recorder import _PROFILING_NAMES, analyzer_command, rank_dump, scalar_type
+from dstest.trace.flight_recorder import _sizes as nccl_sizes
+from dstest.trace.records import CallRecord
+from dstest.worlds.core.c10d import COLLECTIVES, RECORDED_OPS
 from dstest.worlds.torch_internals import gloo_has_list_all_to_all
 
 pytestmark = pytest.mark.cpu
@@ -415,3 +418,15 @@ def test_g6_every_test_id_has_its_own_dumps_and_trace(pytester: pytest.Pytester)
     assert len(fr_dirs) == 4 and len(trace_files) == 4
     assert len(os.listdir(pytester.path / "fr")) == 4
     assert len([p for p in os.listdir(pytester.path / "traces") if p.endswith(".json")]) == 4
+
+
+def test_every_op_of_the_c10d_table_has_its_nccl_sizes_and_no_other_op_passes_for_a_barrier() -> None:
+    """G6: each op dstest records (the c10d table's collectives and transfers) is written with the sizes NCCL
+    records; an op the dump does not know is refused, not written with a barrier's empty sizes; every op
+    renamed to NCCL's profiling name is one of the table's."""
+    for op in RECORDED_OPS:
+        inputs, outputs = nccl_sizes(CallRecord(0, op, "world", 1, "float32", ((4,), (8,)), 4, 16), 2, True)
+        assert (inputs, outputs) == ([], []) if op == "barrier" else inputs or outputs, op
+    with pytest.raises(ValueError, match="no sizes for op 'allreduce'; the ops dstest records: \\['all_reduce'"):
+        nccl_sizes(CallRecord(0, "allreduce", "world", 1, "float32", ((4,),), 4, 16), 2, True)
+    assert set(_PROFILING_NAMES) <= set(COLLECTIVES)

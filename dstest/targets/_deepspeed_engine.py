@@ -13,16 +13,17 @@ from typing import Any
 import torch
 
 from dstest.targets._deepspeed_errors import crash_is_deviation
+from dstest.worlds.core.c10d import RECORDED_OPS
 
 __all__ = ["CollectiveCounter", "DeepSpeedEngineAdapter"]
 
 #: Methods of DeepSpeed's communication backend (``deepspeed.comm.comm.cdb``) that issue a collective or a
-#: point-to-point transfer; every collective of DeepSpeed's runtime goes through one of them.
+#: point-to-point transfer; every collective of DeepSpeed's runtime goes through one of them: those named as
+#: torch.distributed names them (the ops of the c10d table), and DeepSpeed's own.
 _COLLECTIVES = (
-    "all_reduce", "all_reduce_coalesced", "inference_all_reduce", "reduce", "broadcast", "broadcast_object_list",
-    "all_gather", "all_gather_into_tensor", "all_gather_coalesced", "all_gather_object", "reduce_scatter",
-    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier",
-    "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    *RECORDED_OPS,
+    "all_reduce_coalesced", "inference_all_reduce", "broadcast_object_list", "all_gather_coalesced",
+    "all_gather_object", "monitored_barrier", "isend", "irecv", "batch_isend_irecv",
 )  # fmt: skip
 
 

@@ -22,23 +22,6 @@ TIMELINE_CALLS = 6
 #: Ranks shown in a failure report's timeline (ranks with an unfinished or failed call first).
 TIMELINE_RANKS = 16
 
-_OPS = (
-    "all_reduce",
-    "reduce",
-    "broadcast",
-    "all_gather",
-    "all_gather_into_tensor",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "all_to_all_single",
-    "gather",
-    "scatter",
-    "barrier",
-    "send",
-    "recv",
-)
-
 # Frames in dstest's worlds and in this package are never a call site.
 _here = os.path.dirname(os.path.abspath(__file__))
 _OWN_DIRS: tuple[str, ...] = (os.path.join(os.path.dirname(_here), "worlds") + os.sep, _here + os.sep)

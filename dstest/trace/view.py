@@ -6,14 +6,17 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from dstest.trace.records import _OPS, CallRecord, RankLog, _Window, group_label
+from dstest.trace.records import CallRecord, RankLog, _Window, group_label
+from dstest.worlds.core.c10d import RECORDED_OPS
 
 
 def _check_op(op: str | None) -> None:
-    if op is not None and op not in _OPS:
+    if op is not None and op not in RECORDED_OPS:
         from dstest.errors import InvalidArgument
 
-        raise InvalidArgument(f"op={op!r} is not a collective or transfer dstest records; allowed: {list(_OPS)}")
+        raise InvalidArgument(
+            f"op={op!r} is not a collective or transfer dstest records; allowed: {list(RECORDED_OPS)}"
+        )
 
 
 class CommView:

@@ -28,8 +28,9 @@ One small class per c10d collective, with the same four steps, which both the th
 and the process world's referee read: :mod:`.base` (the ``Call`` base class, copies and reductions),
 :mod:`.reducing` (all_reduce, reduce, broadcast, reduce_scatter) and :mod:`.gathering` (all_gather,
 gather, scatter, all_to_all, barrier). This package re-exports them all, with :data:`CALLS` (op name ->
-class), which the c10d table of :mod:`dstest.worlds.core.c10d` names collectives by; matching calls across
-ranks is the checking core's (:mod:`dstest.worlds.core.matching`).
+class) for each collective of the c10d table of :mod:`dstest.worlds.core.c10d` (its ``COLLECTIVES``, the
+one list of collective names; the table names a collective by its op); matching calls across ranks is the
+checking core's (:mod:`dstest.worlds.core.matching`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from dstest.worlds.collectives.gathering import (
     Scatter,
 )
 from dstest.worlds.collectives.reducing import AllReduce, Broadcast, Reduce, ReduceScatter, ReduceScatterTensor
+from dstest.worlds.core.c10d import COLLECTIVES
 from dstest.worlds.core.matching import mismatch_text
 
 __all__ = [
@@ -93,23 +95,23 @@ __all__ = [
     "reduce_tensors",
 ]
 
-CALLS: dict[str, type[Call]] = {
-    cls.op: cls
-    for cls in (
-        AllReduce,
-        Reduce,
-        Broadcast,
-        AllGather,
-        AllGatherIntoTensor,
-        ReduceScatter,
-        ReduceScatterTensor,
-        AllToAll,
-        AllToAllSingle,
-        Gather,
-        Scatter,
-        Barrier,
-    )
-}
+
+def _by_op(cls: type[Call]) -> dict[str, type[Call]]:
+    """Every class below ``cls`` that names an op of its own, by that op (bases of others name none)."""
+    found: dict[str, type[Call]] = {}
+    for sub in cls.__subclasses__():
+        if "op" in vars(sub):
+            found[sub.op] = sub
+        found.update(_by_op(sub))
+    return found
+
+
+_CLASSES = _by_op(Call)
+_UNWRITTEN = [op for op in COLLECTIVES if op not in _CLASSES]
+if _UNWRITTEN:  # every collective the c10d table issues must have its class
+    raise ImportError(f"dstest.worlds.collectives: no Call class for the c10d table's ops {_UNWRITTEN}")
+#: The ``Call`` class of each collective of the c10d table (:data:`dstest.worlds.core.c10d.COLLECTIVES`).
+CALLS: dict[str, type[Call]] = {op: _CLASSES[op] for op in COLLECTIVES}
 
 
 def mismatch(op_desc: str, a_rank: int, a: Call, b_rank: int, b: Call, why: str) -> CollectiveMismatch:

@@ -23,7 +23,19 @@ from typing import Any, Protocol, TypeVar
 
 from dstest.errors import InvalidArgument
 
-__all__ = ["ALIASES", "METHODS", "Buffers", "Method", "bind", "check_peer_rank", "install", "one_tensor"]
+__all__ = [
+    "ALIASES",
+    "COLLECTIVES",
+    "METHODS",
+    "RECORDED_OPS",
+    "TRANSFERS",
+    "Buffers",
+    "Method",
+    "bind",
+    "check_peer_rank",
+    "install",
+    "one_tensor",
+]
 
 
 def one_tensor(tensors: Sequence[Any], what: str) -> Any:
@@ -150,6 +162,14 @@ METHODS: tuple[Method, ...] = (
     Method("send", ("tensors", "dst", "tag"), kind="p2p"),
     Method("recv", ("tensors", "src", "tag"), kind="p2p"),
 )  # fmt: skip
+
+#: The collectives of the table, each ``Call`` op once, in the table's order: every list of collective names
+#: in dstest is made from this one.
+COLLECTIVES: tuple[str, ...] = tuple(dict.fromkeys(m.op for m in METHODS if m.op))
+#: The transfers of the table (its ``"p2p"`` methods), named as dstest records them.
+TRANSFERS: tuple[str, ...] = tuple(m.name for m in METHODS if m.kind == "p2p")
+#: Every op dstest records of a run: the collectives, then the transfers.
+RECORDED_OPS: tuple[str, ...] = COLLECTIVES + TRANSFERS
 
 #: Other names torch's releases call the same methods by (2.13 calls the first three; older ones the
 #: ``_base`` names).

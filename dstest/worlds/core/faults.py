@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dstest.errors import FaultNotFired, InvalidArgument
-from dstest.worlds.core.c10d import METHODS
+from dstest.worlds.core.c10d import COLLECTIVES
 
 __all__ = [
     "FAULT_OPS",
@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 #: The collectives a fault can name: every op dstest records for a c10d collective method.
-FAULT_OPS: frozenset[str] = frozenset(m.op for m in METHODS if m.op)
+FAULT_OPS: frozenset[str] = frozenset(COLLECTIVES)
 
 
 def _check_common(kind: str, rank: object, op: object, nth: object, group: object) -> Any:
