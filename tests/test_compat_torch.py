@@ -463,14 +463,17 @@ def test_without_the_plugin_the_threaded_mismatch_is_not_caught_the_same_way(pyt
     assert "CollectiveMismatch" not in result.stdout.str()
 
 
-def test_continuous_bases_run_each_test_warm_with_upstreams_answers(pytester: pytest.Pytester) -> None:
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "unchecked"])
+def test_continuous_bases_run_each_test_warm_with_upstreams_answers(pytester: pytest.Pytester, checked: bool) -> None:
     """MultiProcContinuousTest: a pass, a skip, a rank that raised (its peer, blocked in an all_reduce, is
     stopped with its stack, not left until the 300 s timeout) and upstream's "skip the rest of the class
-    after a failure". The classes' rendezvous files are gone afterwards."""
+    after a failure". The classes' rendezvous files are gone afterwards. On checked groups (the default) the
+    blocked peer's checked call is failed by the referee and its pool stays; on torch's own gloo
+    (--dstest-unchecked) the peer is stuck in gloo and its pool is replaced."""
     pytester.makepyfile(test_continuous=textwrap.dedent(CONTINUOUS_SUITE))
     temp = Path(tempfile.gettempdir())  # the run's too (a TMPDIR of its own can be too long for a socket path)
     before = set(temp.glob("dstest-rdvz-*"))
-    result, verdicts = _run(pytester)
+    result, verdicts = _run(pytester, *([] if checked else ["--dstest-unchecked"]))
     assert sorted(set(temp.glob("dstest-rdvz-*")) - before) == []
     assert verdicts == {
         "test_a_all_reduce": "passed",
@@ -481,11 +484,77 @@ def test_continuous_bases_run_each_test_warm_with_upstreams_answers(pytester: py
     out = result.stdout.str()
     assert "Exception in worker process (rank 1):" in out and "ValueError: rank 1 gives up" in out
     assert "ranks [0] were stopped after another rank's failure" in out
-    assert (
+    replaced = (
         "pool replaced after: test_continuous.py::Continuous::test_b_rank_1_raises_before_its_collective: "
-        "a rank failed while its peers were blocked" in out
+        "a rank failed while its peers were blocked"
     )
+    assert (replaced in out) is not checked
     result.stdout.fnmatch_lines(["*Previous test failed, skipping*", "*not on this machine*"])
+
+
+CHECKED_SUITE = """
+import torch
+import torch.distributed as dist
+from torch.testing._internal import common_distributed as cd
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+from torch.testing._internal.distributed._tensor.common_dtensor import DTensorTestBase, with_comms
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+cd.TIMEOUT_OVERRIDE["test_sizes_differ"] = 6
+c10d_ops = torch.ops.c10d
+funcol = torch.ops.c10d_functional
+
+
+class Counted(DTensorTestBase):
+    @property
+    def world_size(self):
+        return 2
+
+    @with_comms
+    def test_counts(self):
+        mesh = self.build_device_mesh()
+        comm_mode = CommDebugMode()
+        with comm_mode:
+            dist.all_reduce(torch.ones(3))
+            out = torch.empty(4)
+            dist.all_gather_into_tensor(out, torch.ones(2))
+            sharded = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+            sharded.redistribute(mesh, [Replicate()])
+        counts = comm_mode.get_comm_counts()
+        self.assertEqual(counts[c10d_ops.allreduce_], 1)
+        self.assertEqual(counts[c10d_ops._allgather_base_], 1)
+        self.assertEqual(counts[funcol.all_gather_into_tensor], 1)
+        self.assertEqual(comm_mode.get_total_counts(), 4)  # distribute_tensor's broadcast too
+
+
+class Desync(MultiProcessTestCase):
+    @property
+    def world_size(self):
+        return 2
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    def test_sizes_differ(self):
+        dist.init_process_group("gloo", init_method=f"file://{self.file_name}", rank=self.rank, world_size=2)
+        dist.all_reduce(torch.ones(3 + self.rank))
+"""
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "unchecked"])
+def test_process_bases_run_on_checked_groups_the_dispatcher_sees(pytester: pytest.Pytester, checked: bool) -> None:
+    """contract F2 and E16: the gloo groups a test on the process-based bases forms are dstest's checked
+    groups by default: ``CommDebugMode`` counts what it counts on torch's gloo (upstream's assertions pass
+    on both), and ranks whose collectives differ fail at once with the difference named, where torch's own
+    gloo (``--dstest-unchecked``) gives no such report."""
+    pytester.makepyfile(test_checked=textwrap.dedent(CHECKED_SUITE))
+    result, verdicts = _run(pytester, *([] if checked else ["--dstest-unchecked"]))
+    out = result.stdout.str()
+    assert verdicts == {"test_counts": "passed", "test_sizes_differ": "failure"}, out[-6000:]
+    named = "CollectiveMismatch" in out and "all_reduce" in out and "float32[3]" in out and "float32[4]" in out
+    assert named is checked, out[-6000:]
 
 
 def test_a_test_marked_for_a_fresh_process_runs_on_the_bases_own_processes(pytester: pytest.Pytester) -> None:

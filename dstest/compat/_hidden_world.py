@@ -40,8 +40,9 @@ def world_hidden(*, drop_dist_env: bool, replace_after: str | None, checked: boo
     after the run (what the test formed may outlive its groups, e.g. a TCPStore holding its port).
     ``checked``: whether the gloo groups the test forms are dstest's checked groups (every collective matched
     across ranks by the run's referee), as every gloo group of a worker is; with False they are torch's own
-    ``ProcessGroupGloo``, exactly what a fresh process gets (a checked group is a Python ``ProcessGroup``,
-    whose collectives do not pass through the dispatcher's ``c10d`` ops that ``CommDebugMode`` counts).
+    ``ProcessGroupGloo``, exactly what a fresh process gets. Both reach torch's dispatcher the same way
+    (contract E16: ``CommDebugMode`` counts the same); the compat plugins form checked groups unless the
+    user asks for torch's own (``--dstest-unchecked``).
     """
     from dstest.worlds.torch_internals import hidden_c10d_world
 

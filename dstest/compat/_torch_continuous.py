@@ -106,7 +106,10 @@ class _ClassRun:
         rdvz = os.path.join(self.files, f"rdvz-{self.count}")
         module = module_ref(sys.modules[self.cls.__module__])
         env = dict(os.environ)
-        args = (module, self.cls.__qualname__, test_id, self.world_size, rdvz, list(sys.path), os.getcwd(), env)
+        args = (
+            module, self.cls.__qualname__, test_id, self.world_size, rdvz, list(sys.path), os.getcwd(), env,
+            self.state.checked,
+        )  # fmt: skip
         nodeid = self.state.nodeids.get(test_id, test_id)
         try:
             results = run_warm(
@@ -210,6 +213,7 @@ def run_continuous(
     path: list[str],
     cwd: str,
     env: dict[str, str],
+    checked: bool = True,
 ) -> tuple[str, str]:
     """One rank of one test of a continuous class: ``("ok", test_id)`` or ``("skip", why)``; an error raises."""
     from dstest.compat._torch_rank import bases_env, class_as_spawned
@@ -219,7 +223,7 @@ def run_continuous(
     with fresh_process(key=f"{module.module}:{qualname}", quiet_env=bases_env) as scope:
         owner = class_as_spawned(module, qualname, path, cwd, env, scope)
         owner.rank, owner.world_size = ctx.rank, world_size
-        with world_hidden(drop_dist_env=False, replace_after=None, checked=False):
+        with world_hidden(drop_dist_env=False, replace_after=None, checked=checked):
             try:
                 owner._init_pg(ctx.rank, world_size, rdvz)
                 owner._run_test_given_id(test_id)

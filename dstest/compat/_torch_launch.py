@@ -176,7 +176,7 @@ def _run_warm(state: TorchState, test: Any, fn: Callable[..., Any], join: Callab
     plans = [plan_of(p.target, p.args, p.kwargs, p.env, nodeid) for p in planned]
     world_size = len(plans)
     error_code = int(getattr(test, "TEST_ERROR_EXIT_CODE", 10))
-    args = (plans, list(sys.path), os.getcwd())
+    args = (plans, list(sys.path), os.getcwd(), state.checked)
     try:
         codes = run_warm(
             state, nodeid, run_planned, world_size, args, timeout=bases_timeout(test.id()), watch="torch.distributed"

@@ -119,7 +119,7 @@ def bases_env(name: str) -> bool:
 _BASES_ENV = frozenset((*DIST_ENV, "TORCH_SHOW_CPP_STACKTRACES"))
 
 
-def run_planned(ctx: Any, plans: list[Plan], path: list[str], cwd: str) -> int:
+def run_planned(ctx: Any, plans: list[Plan], path: list[str], cwd: str, checked: bool = True) -> int:
     """One rank: the base's entry point as ``plans[ctx.rank]`` records it; its exit code. The worker is put
     back as a fresh process per test would leave it (:func:`~dstest.worlds.process.state_watch.fresh_process`)."""
     import multiprocessing
@@ -133,7 +133,7 @@ def run_planned(ctx: Any, plans: list[Plan], path: list[str], cwd: str) -> int:
         entry = getattr(owner, plan.method)
         ours, theirs = multiprocessing.Pipe()
         args = tuple(theirs if isinstance(a, _Pipe) else a for a in pickle.loads(plan.args))
-        with world_hidden(drop_dist_env=False, replace_after=None, checked=False):
+        with world_hidden(drop_dist_env=False, replace_after=None, checked=checked):
             try:
                 entry(*args, **pickle.loads(plan.kwargs))
             except SystemExit as exc:

@@ -36,6 +36,7 @@ class WarmState:
     replaced: list[Elsewhere] = field(default_factory=list)  # their pool was replaced after them
     warm_runs: int = 0
     strict_shapes: bool = False  # --dstest-strict-shapes: shape-only differences are mismatches too
+    checked: bool = True  # the gloo groups a test forms are dstest's checked groups (--dstest-unchecked: torch's)
 
 
 def patch(state: WarmState, cls: type, replacements: dict[str, Any], keep: tuple[str, ...] = ()) -> None:

@@ -12,7 +12,9 @@ the test files have imported them, at collection, and copies none of their code:
   imports torch and the test module again (seconds per test). Here each rank runs in a warm worker of
   dstest's process world, through the base's own per-rank entry point (its ``_run``), with the environment
   the spawned process would have inherited and no ``torch.distributed`` world of the worker's in sight: the
-  test's ``init_process_group`` (gloo on CPU) forms its own, as upstream. Skips (``skip_if_lt_x_gpu`` and
+  test's ``init_process_group`` (gloo on CPU) forms its own, as upstream, of dstest's checked gloo groups
+  (each collective matched across ranks, seen by torch's dispatcher as gloo's are; ``--dstest-unchecked``:
+  torch's own ``ProcessGroupGloo``). Skips (``skip_if_lt_x_gpu`` and
   every exit-code skip), the exit-code checks and the error texts are the base's own code judging the exit
   codes the ranks ended with. A hang is reported after the base's timeout with every rank's stack; a rank
   that raised stops the ranks it left blocked. See :mod:`dstest.compat._torch_launch`.
@@ -58,7 +60,10 @@ _BASES = "torch.testing._internal.common_distributed"
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{FRESH_MARK}(reason): run this test on its base's own processes, not warm")
-    state = TorchState(strict_shapes=bool(config.getoption("--dstest-strict-shapes", False)))
+    from dstest.pytest.options import INI_UNCHECKED, OPT_UNCHECKED
+
+    unchecked = bool(config.getoption(OPT_UNCHECKED, False)) or bool(config.getini(INI_UNCHECKED))
+    state = TorchState(strict_shapes=bool(config.getoption("--dstest-strict-shapes", False)), checked=not unchecked)
     config.stash[_STATE_KEY] = state
     config.add_cleanup(lambda: restore(state))  # when pytest unconfigures
     import dstest.resets

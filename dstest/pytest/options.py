@@ -25,6 +25,8 @@ OPT_TRACE = "--dstest-trace"
 OPT_FLIGHT_RECORDER = "--dstest-flight-recorder"
 OPT_ASYNC_HAZARDS = "--dstest-async-hazards"
 OPT_STRICT_SHAPES = "--dstest-strict-shapes"
+OPT_UNCHECKED = "--dstest-unchecked"
+INI_UNCHECKED = "dstest_unchecked"
 OPT_WARM = "--dstest-warm"
 OPT_THREADS_ALONE = "--dstest-threads-alone"
 OPT_CROSSCHECK = "--dstest-crosscheck"
@@ -174,6 +176,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     _add_observation_options(group)
     parser.addini(
+        INI_UNCHECKED,
+        type="bool",
+        default=False,
+        help="the ini form of --dstest-unchecked (torch's process-based test bases on torch's own gloo groups)",
+    )
+    parser.addini(
         INI_DESELECT_SOAK,
         type="bool",
         default=False,
@@ -228,6 +236,14 @@ def _add_observation_options(group: Any) -> None:
         default=False,
         help="also refuse collectives and transfers whose ranks' buffers differ only in shape (by default, "
         "as on gloo and NCCL, element counts and dtypes must match)",
+    )
+    group.addoption(
+        OPT_UNCHECKED,
+        action="store_true",
+        default=False,
+        help=f"with -p dstest.compat.torch: the gloo groups tests on torch's process-based bases form are torch's "
+        "own, as upstream (no check of collectives across ranks, no deadlock report naming each rank's call); by "
+        f"default they are dstest's checked groups. The ini setting {INI_UNCHECKED} = true does the same",
     )
     group.addoption(
         OPT_THREADS_ALONE,
