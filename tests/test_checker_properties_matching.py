@@ -11,7 +11,7 @@ collectives of random groups of random worlds:
   ``strict_shapes``, the device, the root, the reduce op, the split sizes or sizes of one pairing) is
   refused with a message that names the perturbed rank, another rank, and both calls, whose descriptions
   differ (so the difference is visible);
-- sequences of calls refereed as the process world referees them (:class:`_Referee`, fed the messages a
+- sequences of calls refereed as the process world referees them (:class:`Referee`, fed the messages a
   worker sends): identical programs end with every call answered "ok"; one rank missing a call, making an
   extra one, swapping two, using other group members or another group, or sending with another tag or to
   another peer makes a rank fail with a text naming the perturbed rank, and no rank is left waiting;
@@ -40,8 +40,8 @@ import dstest
 from dstest.errors import CollectiveMismatch, RankFailure
 from dstest.worlds import collectives as C
 from dstest.worlds.core import c10d, matching
-from dstest.worlds.process.messages import _Dev, _Meta
-from dstest.worlds.process.referee import _Referee
+from dstest.worlds.process.messages import Dev, Meta
+from dstest.worlds.process.referee import Referee
 
 pytestmark = pytest.mark.cpu
 
@@ -85,7 +85,7 @@ class Coll:
 def buf(c: Coll, shape: tuple[int, ...]) -> Any:
     if c.tensors:
         return torch.empty(shape, dtype=c.dtype, device="cpu" if c.device == "cpu" else "meta")
-    return _Meta(c.dtype, tuple(shape), _Dev(c.device))
+    return Meta(c.dtype, tuple(shape), Dev(c.device))
 
 
 def build(c: Coll, r: int) -> C.Call:
@@ -428,8 +428,8 @@ xfers = st.builds(
 ).filter(lambda x: x.src != x.dst)
 
 
-def _meta(x: Xfer) -> _Meta:
-    return _Meta(x.dtype, x.shape, _Dev("cpu"))
+def _meta(x: Xfer) -> Meta:
+    return Meta(x.dtype, x.shape, Dev("cpu"))
 
 
 def _post_all(
@@ -549,7 +549,7 @@ def referee(programs: dict[int, list[Step]], world: int, rnd: random.Random) -> 
     "done" with the error) as a real rank would. Returns each rank's error (None: it finished). Fails if
     a rank is left waiting for ever (a hang)."""
     conns = [_Conn() for _ in range(world)]
-    ref = _Referee(1, world, conns)  # type: ignore[arg-type]
+    ref = Referee(1, world, conns)  # type: ignore[arg-type]
     pos = dict.fromkeys(programs, 0)
     seqs: dict[tuple[int, str], int] = {}
     waiting: dict[int, int] = {}  # rank -> post id it waits for
@@ -586,7 +586,7 @@ def referee(programs: dict[int, list[Step]], world: int, rnd: random.Random) -> 
         else:
             assert step.p2p is not None
             kind, peer, tag = step.p2p
-            meta = _Meta(torch.float32, (2,), _Dev("cpu"))
+            meta = Meta(torch.float32, (2,), Dev("cpu"))
             what = matching.p2p_describe(kind, meta, step.members[peer], tag, f"group {step.gid}")
             send(rank, "p2p", post_id, step.gid, step.members, kind, me, peer, tag, meta, what)
         waiting[rank] = post_id
@@ -838,7 +838,7 @@ def test_a_tensor_and_its_metadata_have_one_signature_and_description(
 ) -> None:
     """The threaded world compares tensors, the process world their pickled metadata: by one rule."""
     t = torch.empty(shape, dtype=dtype, device=device)
-    meta = _Meta.of(t)
+    meta = Meta.of(t)
     for strict in (False, True):
         assert matching.signature(t, strict) == matching.signature(meta, strict)
     assert matching.signature(t) == matching.signature(t, True) == (dtype, tuple(shape), device)  # strict by default

@@ -30,7 +30,7 @@ from dstest.errors import (
 )
 from dstest.worlds import process
 from dstest.worlds.process import ProcessWorld, checked, pool_pids
-from dstest.worlds.process.messages import _PoolKey
+from dstest.worlds.process.messages import PoolKey
 from dstest.worlds.process.pool_cache import _POOLS, _POOLS_LOCK
 from dstest.worlds.process.world import _under_main_guard
 from dstest.worlds.request import RunRequest
@@ -443,7 +443,7 @@ def test_starting_a_pool_evicts_the_least_recently_used_beyond_the_cap(monkeypat
     assert two
     capped = ProcessWorld(max_warm_workers=2)
     with _POOLS_LOCK:  # a pool of 1 must be started now (not kept from another test)
-        stale = _POOLS.pop(_PoolKey("gloo", "cpu", 1), None)
+        stale = _POOLS.pop(PoolKey("gloo", "cpu", 1), None)
     if stale is not None:
         stale.stop()
     assert capped.run(RunRequest(_pid, 1, timeout=TIMEOUT))

@@ -494,19 +494,19 @@ def _destroy_groups() -> None:
 
 
 def _failure(rank: int, exc: BaseException, kind: str, note: str = "") -> _Outcome:
-    from dstest.worlds.process.messages import _pickle_exception
+    from dstest.worlds.process.messages import pickle_exception
 
     text = note + "".join(traceback.format_exception(exc))
-    return _Outcome(rank, False, traceback=text, exception=_pickle_exception(exc), kind=kind)
+    return _Outcome(rank, False, traceback=text, exception=pickle_exception(exc), kind=kind)
 
 
 def _exception_of(outcome: _Outcome) -> BaseException:
-    from dstest.worlds.process.messages import _Reply, _unpickle_exception
+    from dstest.worlds.process.messages import Reply, unpickle_exception
 
     if outcome.kind != "failed":
         return WorldAborted(outcome.traceback.splitlines()[0] if outcome.traceback else outcome.kind)
-    reply = _Reply(0, outcome.rank, False, None, outcome.traceback, outcome.exception, "", None)
-    return _unpickle_exception(reply)
+    reply = Reply(0, outcome.rank, False, None, outcome.traceback, outcome.exception, "", None)
+    return unpickle_exception(reply)
 
 
 def _combine(launch: Launch, key: str, world_size: int, timeout: float, label: str) -> list[Any]:

@@ -34,7 +34,7 @@ together; starting a pool closes the least recently used idle ones beyond the ca
 than the cap runs cold. A script must start the process world under ``if __name__ == "__main__":``
 (workers import it to find its functions); an unguarded call raises :class:`UnguardedMain`.
 
-Workers are forked from multiprocessing's fork server, which imports torch once (see ``_mp_context``):
+Workers are forked from multiprocessing's fork server, which imports torch once (see ``mp_context``):
 a pool of 8 starts in well under a second once that server runs, and a replaced pool costs little. Where
 there is no fork server, workers are spawned. This module imports neither torch nor the target at import
 time; a worker sets its environment (``RANK``, ``OMP_NUM_THREADS``, ...) before it touches torch.

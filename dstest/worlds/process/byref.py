@@ -34,13 +34,13 @@ import sys
 from types import ModuleType
 
 from dstest.worlds.process.launch import (
-    _PRELOAD,
-    _free_port,
     fork_server_from_here,
+    fork_server_preload,
+    free_port,
     preload_in_fork_server,
     start_fork_server,
 )
-from dstest.worlds.process.messages import _FnRef
+from dstest.worlds.process.messages import FnRef
 from dstest.worlds.process.state_watch import FreshProcess, close_held_scope, fresh_process, fresh_process_rng
 
 __all__ = [
@@ -64,12 +64,7 @@ __all__ = [
 
 #: How a worker finds a module (or a function in it): ``(module, qualname, path, rewrite_asserts)``, a
 #: picklable named tuple; a reference to a whole module has an empty ``qualname``.
-ModuleRef = _FnRef
-
-
-def fork_server_preload() -> list[str]:
-    """The modules the fork server imports (or imported, once started), in order."""
-    return list(_PRELOAD)
+ModuleRef = FnRef
 
 
 def module_ref(module: ModuleType) -> ModuleRef:
@@ -77,15 +72,15 @@ def module_ref(module: ModuleType) -> ModuleRef:
     name alone does not find that file, as for a test module pytest imported from its rootdir), and
     whether pytest rewrote its assertions (the worker then does the same)."""
     path = getattr(module, "__file__", None)
-    return _FnRef(module.__name__, "", os.path.abspath(path) if path else None, "@py_builtins" in vars(module))
+    return FnRef(module.__name__, "", os.path.abspath(path) if path else None, "@py_builtins" in vars(module))
 
 
 def import_module_ref(ref: ModuleRef) -> ModuleType:
     """On a rank: the module ``ref`` names, already imported, importable by name, or loaded from its file
     (with its directory's first non-package parent on ``sys.path``, as under pytest's default import mode)."""
-    from dstest.worlds.process.refs import _import_module
+    from dstest.worlds.process.refs import import_ref
 
-    module: ModuleType = _import_module(ref)
+    module: ModuleType = import_ref(ref)
     return module
 
 
@@ -94,11 +89,6 @@ def put_path_first(path: list[str]) -> None:
     order, each entry once."""
     known = set(path)
     sys.path[:] = [*path, *(p for p in sys.path if p not in known)]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (the OS's choice; another process may take it later)."""
-    return _free_port()
 
 
 def pool_pids(world_size: int, backend: str = "gloo") -> tuple[int, ...]:

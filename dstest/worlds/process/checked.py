@@ -6,22 +6,22 @@ The group class itself (``CheckedGroup``, made from the checking core's c10d tab
 is first needed, in a worker.
 
 torch-internal (through :func:`dstest.worlds.torch_internals.install_checked_gloo`): registers a backend on
-the C++ group and wraps ``distributed_c10d._new_process_group_helper`` (see :func:`_install_checking`).
+the C++ group and wraps ``distributed_c10d._new_process_group_helper`` (see :func:`install_checking`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dstest.worlds.process.checker import _Checker
+from dstest.worlds.process.checker import Checker
 
 _CHECKED_BACKEND = "dstest_gloo"
 
 
-_CHECKER: _Checker | None = None  # this worker's checker (set once in _worker_main, gloo pools only)
+_CHECKER: Checker | None = None  # this worker's checker (set once in worker_main, gloo pools only)
 
 
-def _install_checking(checker: _Checker) -> None:
+def install_checking(checker: Checker) -> None:
     """Make every gloo group this worker creates a ``_CheckedGroup`` that still reports itself as gloo.
 
     torch-internal: registers the backend and wraps ``distributed_c10d._new_process_group_helper`` (the

@@ -19,8 +19,8 @@ from dstest.worlds import collectives as C
 from dstest.worlds import torch_internals
 from dstest.worlds.core import c10d, matching
 from dstest.worlds.core.faults import Delay, Fail, Fault, Kill, failed_text
-from dstest.worlds.process.checker import _check_error, _Checker, _Record
-from dstest.worlds.process.messages import _Dev, _Meta
+from dstest.worlds.process.checker import Checker, PostedCall, check_error
+from dstest.worlds.process.messages import Dev, Meta
 from dstest.worlds.torch_internals.dispatched import DispatchedGroup
 
 __all__ = ["CheckedGroup", "CheckedWork", "DoneWork"]
@@ -29,7 +29,7 @@ __all__ = ["CheckedGroup", "CheckedWork", "DoneWork"]
 class CheckedWork(torch_internals.WorkBase):  # type: ignore[misc]
     """The handle of a checked call: waits for the verdict, then for the gloo work issued on it."""
 
-    def __init__(self, checker: _Checker, rec: _Record) -> None:
+    def __init__(self, checker: Checker, rec: PostedCall) -> None:
         super().__init__()
         self._checker = checker
         self._rec = rec
@@ -59,7 +59,7 @@ class CheckedWork(torch_internals.WorkBase):  # type: ignore[misc]
     def exception(self) -> BaseException | None:
         rec = self._rec
         if rec.error is not None:
-            return _check_error(*rec.error)
+            return check_error(*rec.error)
         return rec.issue_error
 
     def result(self) -> list[Any]:
@@ -79,7 +79,7 @@ class CheckedWork(torch_internals.WorkBase):  # type: ignore[misc]
 
         def resolve(now: bool = False) -> None:
             if rec.error is not None:
-                fut.set_exception(_check_error(*rec.error))
+                fut.set_exception(check_error(*rec.error))
             elif rec.issue_error is not None:
                 fut.set_exception(rec.issue_error)
             elif rec.inner is None:
@@ -154,21 +154,21 @@ class _Metas(torch_internals.OptionsReader):
     microseconds), see :class:`dstest.worlds.core.c10d.Buffers`."""
 
     @staticmethod
-    def tensor(t: Any) -> _Meta:
-        return _Meta.of(t)
+    def tensor(t: Any) -> Meta:
+        return Meta.of(t)
 
     @staticmethod
-    def one(tensors: Sequence[Any], what: str) -> _Meta:
-        return _Meta.of(c10d.one_tensor(tensors, what))
+    def one(tensors: Sequence[Any], what: str) -> Meta:
+        return Meta.of(c10d.one_tensor(tensors, what))
 
     @staticmethod
-    def each(tensors: Sequence[Any]) -> list[_Meta]:
-        return [_Meta.of(t) for t in tensors]
+    def each(tensors: Sequence[Any]) -> list[Meta]:
+        return [Meta.of(t) for t in tensors]
 
     @staticmethod
-    def flat(tensors: Sequence[Any]) -> _Meta:
+    def flat(tensors: Sequence[Any]) -> Meta:
         dtype = tensors[0].dtype if tensors else torch.float32
-        return _Meta(dtype, (sum(t.numel() for t in tensors),), _Dev("cpu"))
+        return Meta(dtype, (sum(t.numel() for t in tensors),), Dev("cpu"))
 
 
 _METAS = _Metas()
@@ -187,7 +187,7 @@ class CheckedGroup(DispatchedGroup):
 
     backend_name = "gloo"
 
-    def __init__(self, inner: Any, rank: int, size: int, members: tuple[int, ...], gid: str, checker: _Checker) -> None:
+    def __init__(self, inner: Any, rank: int, size: int, members: tuple[int, ...], gid: str, checker: Checker) -> None:
         super().__init__(rank, size)
         self.inner = inner
         self.rank_ = rank
@@ -278,7 +278,7 @@ class CheckedGroup(DispatchedGroup):
             return issue()
         c10d.check_peer_rank(kind, peer, self.size_, f"group {self.label}")
         what = matching.p2p_describe(kind, t, self.members[peer], tag, f"group {self.label}")
-        msg = ("p2p", self.gid, self.members, kind, self.rank_, peer, tag, _Meta.of(t), what)
+        msg = ("p2p", self.gid, self.members, kind, self.rank_, peer, tag, Meta.of(t), what)
         record = checker.recorder.p2p(self, kind, t, self.members[peer], tag, self.members[self.rank_])
         return CheckedWork(checker, checker.post(msg, what, issue, record))
 

@@ -35,7 +35,7 @@ _INJECTED = ("killed", "injected")
 # gloo checks almost nothing across ranks: a shape, op, root or group-order mismatch hangs, a dtype
 # mismatch aborts the process. So in a gloo pool every process group a run uses is a ``_CheckedGroup``, a
 # Python ProcessGroup (registered as the c10d backend ``dstest_gloo``) that forwards to a real
-# ProcessGroupGloo only after the parent's referee (``_Referee``) saw every rank's side of the call and
+# ProcessGroupGloo only after the parent's referee (``Referee``) saw every rank's side of the call and
 # found that they match. torch's TORCH_DISTRIBUTED_DEBUG=DETAIL wrapper does a similar check with a
 # monitored barrier and a fingerprint all-gather over a helper gloo group; that only tells a rank that
 # *its* call differs, needs every rank to reach the check (a skipped collective still hangs), and cannot
@@ -58,7 +58,7 @@ _CHECK_ACK_S = 30.0  # seconds a rank waits for the referee to acknowledge the e
 _CHECK_QUIET_WAIT_S = 0.005  # seconds a rank waits for a verdict before it tells the referee it waits
 
 
-class _Record:
+class PostedCall:
     """One posted call of this rank: its verdict, the gloo work issued for it, whether anyone waited."""
 
     __slots__ = ("callbacks", "error", "event", "inner", "issue", "issue_error", "post_id", "record", "waited", "what")
@@ -76,7 +76,7 @@ class _Record:
         self.record: Any = None  # the run's trace record of the call (dstest.trace)
 
 
-def _check_error(kind: str, message: str) -> BaseException:
+def check_error(kind: str, message: str) -> BaseException:
     if kind == "aborted":
         return WorldAborted(message)
     if kind in _INJECTED:
@@ -84,7 +84,7 @@ def _check_error(kind: str, message: str) -> BaseException:
     return CollectiveMismatch(message)
 
 
-class _Checker:
+class Checker:
     """This worker's side of the check: posts calls, receives verdicts, issues matched calls to gloo."""
 
     def __init__(self, conn: Connection, rank: int, world_size: int) -> None:
@@ -94,8 +94,8 @@ class _Checker:
         self.send_lock = threading.Lock()
         self.lock = threading.Lock()
         self.run_id = 0  # 0: between runs, calls go straight to gloo (the pool's warm-up all_reduce)
-        self.records: dict[int, _Record] = {}
-        self.posted: list[_Record] = []
+        self.records: dict[int, PostedCall] = {}
+        self.posted: list[PostedCall] = []
         self.raised: list[str] = []  # mismatches raised on this rank during the run
         self.next_id = 0
         self.acked = threading.Event()
@@ -193,11 +193,11 @@ class _Checker:
         return None, unhealthy
 
     # -- posting ------------------------------------------------------------------------------------------
-    def post(self, msg: tuple[Any, ...], what: str, issue: Callable[[], Any], record: Any = None) -> _Record:
+    def post(self, msg: tuple[Any, ...], what: str, issue: Callable[[], Any], record: Any = None) -> PostedCall:
         """Send one call's description (``msg`` without run and post ids) and return its record."""
         with self.lock:
             self.next_id += 1
-            rec = _Record(self.next_id, what, issue)
+            rec = PostedCall(self.next_id, what, issue)
             rec.record = record
             self.records[rec.post_id] = rec
             self.posted.append(rec)
@@ -205,7 +205,7 @@ class _Checker:
         self._send((msg[0], run_id, rec.post_id, *msg[1:]))
         return rec
 
-    def wait_verdict(self, rec: _Record) -> None:
+    def wait_verdict(self, rec: PostedCall) -> None:
         rec.waited = True
         if rec.record is not None:
             rec.record.waiting(self.recorder.logs.get(self.rank))
@@ -219,7 +219,7 @@ class _Checker:
             if rec.error[0] != "aborted" and rec.error[0] not in _INJECTED:  # a fault's error is expected
                 with self.lock:
                     self.raised.append(rec.error[1].splitlines()[0])
-            raise _check_error(*rec.error)
+            raise check_error(*rec.error)
         if rec.issue_error is not None:
             raise rec.issue_error
 
@@ -247,7 +247,7 @@ class _Checker:
             else:
                 rec.error = (msg[3], msg[4])
             if rec.record is not None:
-                rec.record.finished(_check_error(*rec.error) if rec.error is not None else rec.issue_error)
+                rec.record.finished(check_error(*rec.error) if rec.error is not None else rec.issue_error)
             with self.lock:
                 rec.event.set()
                 callbacks = list(rec.callbacks)

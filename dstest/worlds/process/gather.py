@@ -11,8 +11,8 @@ import time
 from typing import Any
 
 from dstest.worlds.process.handle import WorkerHandle
-from dstest.worlds.process.messages import _Reply
-from dstest.worlds.process.referee import _Referee
+from dstest.worlds.process.messages import Reply
+from dstest.worlds.process.referee import Referee
 
 #: After one rank fails, seconds the others get to finish before the pool counts as poisoned (they are
 #: probably blocked in a collective that the failed rank will never join) and is replaced.
@@ -28,14 +28,14 @@ class Gathering:
     def __init__(self, workers: list[WorkerHandle], run_id: int, *, checked: bool, strict_shapes: bool) -> None:
         self.workers = workers
         self.run_id = run_id
-        self.replies: dict[int, _Reply] = {}
+        self.replies: dict[int, Reply] = {}
         self.dead: list[WorkerHandle] = []
         self.killed: dict[int, Any] = {}  # ranks an injected Kill ended -> the fault (contract G5)
         self.tallies: dict[int, Any] = {}  # their fault counters (RankFaults) when they died
         self.first_failure: float | None = None
         # gloo pools: their workers' groups post every call to this run's referee
         self.referee = (
-            _Referee(run_id, len(workers), [w.check for w in workers], strict_shapes=strict_shapes) if checked else None
+            Referee(run_id, len(workers), [w.check for w in workers], strict_shapes=strict_shapes) if checked else None
         )
 
     def run(self, blob: bytes, timeout: float) -> None:
@@ -81,7 +81,7 @@ class Gathering:
 
     def _take_reply(self, sel: selectors.BaseSelector, w: WorkerHandle) -> None:
         try:
-            reply: _Reply = pickle.loads(w.conn.recv_bytes())
+            reply: Reply = pickle.loads(w.conn.recv_bytes())
         except (EOFError, OSError):
             return
         if reply.run_id != self.run_id:

@@ -10,13 +10,13 @@ import signal
 from multiprocessing.connection import Connection
 from typing import Any
 
-from dstest.worlds.process.messages import _WorkerConfig
+from dstest.worlds.process.messages import WorkerConfig
 
 
 class WorkerHandle:
     """The parent's side of one worker of a pool (made when the pool launches it)."""
 
-    def __init__(self, rank: int, process: Any, conn: Connection, cfg: _WorkerConfig, check: Connection) -> None:
+    def __init__(self, rank: int, process: Any, conn: Connection, cfg: WorkerConfig, check: Connection) -> None:
         self.rank = rank
         self.process = process
         self.conn = conn

@@ -12,13 +12,14 @@ import socket
 from typing import Any, NoReturn
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS's choice; another process may take it later)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def _threads_per_rank(world_size: int) -> int | None:
+def threads_per_rank(world_size: int) -> int | None:
     """Intra-op threads per worker, as torchrun does: unless the user chose, share the cores, so that W
     processes do not each start one OpenMP thread per core and spin against each other."""
     if "OMP_NUM_THREADS" in os.environ:
@@ -54,7 +55,12 @@ def preload_in_fork_server(*modules: str) -> bool:
     return True
 
 
-def _mp_context() -> Any:
+def fork_server_preload() -> list[str]:
+    """The modules the fork server imports (or imported, once started), in order."""
+    return list(_PRELOAD)
+
+
+def mp_context() -> Any:
     """Where workers come from: a fork server that has imported torch once, else plain spawn.
 
     A spawned worker imports torch itself (seconds each, and W of them share the cores); a worker forked
@@ -77,7 +83,7 @@ def start_fork_server() -> bool:
     """Start the fork server now, without waiting for it: it imports torch and the preloaded modules in its
     own process while this one goes on (a pytest session collecting its tests), so the first pool forks
     from a server that is ready. Returns whether a fork server is used here."""
-    ctx = _mp_context()
+    ctx = mp_context()
     if ctx.get_start_method() != "forkserver":
         return False
     import json
@@ -93,7 +99,7 @@ def start_fork_server() -> bool:
     return True
 
 
-def _stop_fork_server() -> None:
+def stop_fork_server() -> None:
     """Stop the fork server the pools used, so that it is not orphaned when this process exits.
 
     Killed rather than asked: asked, it finalizes torch on its way out, which takes seconds on a busy
@@ -171,7 +177,7 @@ def _unstarted_fork_server() -> Any:
     import threading
     from multiprocessing import forkserver
 
-    ctx = _mp_context()
+    ctx = mp_context()
     if ctx.get_start_method() != "forkserver" or threading.active_count() != 1:
         return None
     server = getattr(forkserver, "_forkserver", None)

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-_STOP = b"stop"
+STOP = b"stop"
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -20,7 +20,7 @@ _STOP = b"stop"
 # ------------------------------------------------------------------------------------------------------
 
 
-class _FnRef(NamedTuple):
+class FnRef(NamedTuple):
     """How a worker finds the function: ``module.qualname``, loaded from ``path`` if needed."""
 
     module: str
@@ -29,9 +29,9 @@ class _FnRef(NamedTuple):
     rewrite_asserts: bool  # the parent's module was assertion-rewritten by pytest: do the same
 
 
-class _Command(NamedTuple):
+class Command(NamedTuple):
     run_id: int
-    ref: _FnRef
+    ref: FnRef
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     seed: int
@@ -41,7 +41,7 @@ class _Command(NamedTuple):
     faults: tuple[Any, ...] = ()  # the run's injected faults (RunRequest.faults, contract G5)
 
 
-class _Reply(NamedTuple):
+class Reply(NamedTuple):
     run_id: int
     rank: int
     ok: bool
@@ -56,15 +56,15 @@ class _Reply(NamedTuple):
 
 
 @dataclass(frozen=True)
-class _PoolKey:
+class PoolKey:
     backend: str  # "gloo" | "nccl"
     device: str  # "cpu" | "cuda"
     world_size: int
 
 
 @dataclass(frozen=True)
-class _WorkerConfig:
-    key: _PoolKey
+class WorkerConfig:
+    key: PoolKey
     rank: int
     world_name: str
     store_path: str
@@ -78,20 +78,20 @@ class RemoteRankError(Exception):
     """Stands in for an exception of a worker that did not survive pickling; the message keeps its type."""
 
 
-class _Dev(NamedTuple):
+class Dev(NamedTuple):
     type: str
 
 
-class _Meta(NamedTuple):
+class Meta(NamedTuple):
     """What the check needs of a tensor (dtype, shape, device type); pickles in microseconds."""
 
     dtype: Any
     shape: tuple[int, ...]
-    device: _Dev
+    device: Dev
 
     @classmethod
-    def of(cls, t: Any) -> _Meta:
-        return cls(t.dtype, tuple(t.shape), _Dev(t.device.type))
+    def of(cls, t: Any) -> Meta:
+        return cls(t.dtype, tuple(t.shape), Dev(t.device.type))
 
     def numel(self) -> int:
         n = 1
@@ -103,7 +103,7 @@ class _Meta(NamedTuple):
         return len(self.shape)
 
 
-def _pickle_exception(exc: BaseException) -> bytes | None:
+def pickle_exception(exc: BaseException) -> bytes | None:
     outcome = _pytest_outcome(exc)
     try:
         return pickle.dumps(outcome or exc, protocol=pickle.HIGHEST_PROTOCOL)
@@ -123,7 +123,7 @@ def _pytest_outcome(exc: BaseException) -> tuple[str, str, str] | None:
     return None
 
 
-def _unpickle_exception(rep: _Reply) -> BaseException:
+def unpickle_exception(rep: Reply) -> BaseException:
     if rep.exception is not None:
         try:
             exc = pickle.loads(rep.exception)

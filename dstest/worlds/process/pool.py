@@ -24,8 +24,8 @@ from dstest.resets import registered as registered_resets
 from dstest.worlds.core.faults import Killed, not_fired_error, not_fired_note
 from dstest.worlds.process.gather import FAILURE_GRACE, Gathering
 from dstest.worlds.process.handle import WorkerHandle
-from dstest.worlds.process.launch import _free_port, _mp_context, _threads_per_rank, start_fork_server
-from dstest.worlds.process.messages import _STOP, _Command, _FnRef, _PoolKey, _Reply, _WorkerConfig
+from dstest.worlds.process.launch import free_port, mp_context, start_fork_server, threads_per_rank
+from dstest.worlds.process.messages import STOP, Command, FnRef, PoolKey, Reply, WorkerConfig
 from dstest.worlds.process.reports import (
     fault_note,
     forward_output,
@@ -34,7 +34,7 @@ from dstest.worlds.process.reports import (
     take_traces,
     warn_state_left_behind,
 )
-from dstest.worlds.process.worker import _worker_main
+from dstest.worlds.process.worker import worker_main
 from dstest.worlds.request import RunRequest
 
 __all__ = ["FAILURE_GRACE", "POOL_START_TIMEOUT", "Pool"]
@@ -46,7 +46,7 @@ POOL_START_TIMEOUT = 180.0
 class Pool:
     """``world_size`` warm workers sharing one process group; serves one run at a time."""
 
-    def __init__(self, key: _PoolKey, world_name: str) -> None:
+    def __init__(self, key: PoolKey, world_name: str) -> None:
         self.key = key
         self.world_name = world_name
         self.lock = threading.Lock()
@@ -74,14 +74,14 @@ class Pool:
         self.launcher.start()
         return self
 
-    def _launch(self, configs: list[_WorkerConfig]) -> None:
+    def _launch(self, configs: list[WorkerConfig]) -> None:
         try:
-            ctx = _mp_context()
+            ctx = mp_context()
             for cfg in configs:
                 parent_conn, child_conn = ctx.Pipe(duplex=True)
                 parent_check, child_check = ctx.Pipe(duplex=True)  # the cross-rank check's channel
                 process = ctx.Process(
-                    target=_worker_main,
+                    target=worker_main,
                     args=(cfg, child_conn, child_check),
                     name=f"dstest-{self.world_name}-rank{cfg.rank}",
                 )
@@ -145,7 +145,7 @@ class Pool:
         self._join_launcher()
         for w in self.workers:
             with contextlib.suppress(Exception):
-                w.conn.send_bytes(_STOP)
+                w.conn.send_bytes(STOP)
         self.reap(grace=2.0)
 
     def kill(self) -> None:
@@ -182,7 +182,7 @@ class Pool:
         return [w.pid for w in self.workers if not self.closed]
 
     # -- one run -------------------------------------------------------------------------------------------
-    def run(self, ref: _FnRef, request: RunRequest, recorder: _trace.Recorder) -> list[Any]:
+    def run(self, ref: FnRef, request: RunRequest, recorder: _trace.Recorder) -> list[Any]:
         """Run ``request`` (its function sent as ``ref``) on every worker. On any failure that leaves the pool
         unusable, the pool is closed: the caller replaces it (``self.closed`` tells)."""
         __tracebackhide__ = True  # pytest shows the ranks' tracebacks in the message, not this frame
@@ -218,7 +218,7 @@ class Pool:
         self.last_used = time.monotonic()
         return results
 
-    def _results(self, replies: dict[int, _Reply], killed: dict[int, Any]) -> list[Any]:
+    def _results(self, replies: dict[int, Reply], killed: dict[int, Any]) -> list[Any]:
         """Every rank's return value, in rank order (a rank an injected Kill ended: :class:`Killed`)."""
         results: list[Any] = []
         for r in range(self.key.world_size):
@@ -243,9 +243,9 @@ class Pool:
         return "".join(f"---- output of rank {r} ----\n{self.workers[r].log_tail()}\n" for r in ranks)
 
 
-def _command(run_id: int, ref: _FnRef, request: RunRequest) -> bytes:
+def _command(run_id: int, ref: FnRef, request: RunRequest) -> bytes:
     """The run as the workers get it, pickled; a clear error when its arguments do not pickle."""
-    command = _Command(
+    command = Command(
         run_id,
         ref,
         tuple(request.args),
@@ -265,11 +265,11 @@ def _command(run_id: int, ref: _FnRef, request: RunRequest) -> bytes:
         ) from exc
 
 
-def _worker_configs(key: _PoolKey, world_name: str, directory: str) -> list[_WorkerConfig]:
+def _worker_configs(key: PoolKey, world_name: str, directory: str) -> list[WorkerConfig]:
     """What each worker of a new pool starts with: its rank, its files in ``directory``, its environment."""
     store_path = os.path.join(directory, "store")
-    port = _free_port()
-    threads = _threads_per_rank(key.world_size)
+    port = free_port()
+    threads = threads_per_rank(key.world_size)
     # The parent's environment as it is now, as a spawned child would get it (a forkserver child
     # would otherwise get the environment of the moment the fork server started).
     base_env = dict(os.environ)
@@ -286,7 +286,7 @@ def _worker_configs(key: _PoolKey, world_name: str, directory: str) -> list[_Wor
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         configs.append(
-            _WorkerConfig(
+            WorkerConfig(
                 key=key,
                 rank=rank,
                 world_name=world_name,

@@ -14,8 +14,8 @@ from typing import Any
 
 import dstest.trace as _trace
 from dstest.errors import InvalidArgument
-from dstest.worlds.process.launch import _stop_fork_server
-from dstest.worlds.process.messages import _STOP, _FnRef, _PoolKey
+from dstest.worlds.process.launch import stop_fork_server
+from dstest.worlds.process.messages import STOP, FnRef, PoolKey
 from dstest.worlds.process.pool import Pool
 from dstest.worlds.request import RunRequest
 
@@ -32,13 +32,13 @@ DEFAULT_MAX_WARM_WORKERS = max(32, 4 * (os.cpu_count() or 1))
 
 # The pools are process-wide on purpose: keeping workers warm across World objects and tests is the whole
 # point. They are reached only through the functions of this module, under _POOLS_LOCK.
-_POOLS: dict[_PoolKey, Pool] = {}
+_POOLS: dict[PoolKey, Pool] = {}
 _POOLS_LOCK = threading.Lock()
 _COLD: set[Pool] = set()  # pools of cold runs in progress (stopped by shutdown_all too)
 _ATEXIT_REGISTERED = False
 
 
-def pool_for(key: _PoolKey, world_name: str, cap: int) -> Pool:
+def pool_for(key: PoolKey, world_name: str, cap: int) -> Pool:
     global _ATEXIT_REGISTERED
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
@@ -101,7 +101,7 @@ def replace_closed(pool: Pool) -> None:
             _POOLS[pool.key] = Pool(pool.key, pool.world_name).start()
 
 
-def run_cold(key: _PoolKey, world_name: str, ref: _FnRef, request: RunRequest, recorder: _trace.Recorder) -> list[Any]:
+def run_cold(key: PoolKey, world_name: str, ref: FnRef, request: RunRequest, recorder: _trace.Recorder) -> list[Any]:
     """One run on a pool of its own that is stopped after it (a world larger than the warm cap)."""
     __tracebackhide__ = True
     pool = Pool(key, world_name).start()
@@ -126,11 +126,11 @@ def shutdown_all() -> None:
     for pool in pools:  # ask all at once, then wait: a pool's workers exit in parallel with the others'
         for w in pool.workers:
             with contextlib.suppress(Exception):
-                w.conn.send_bytes(_STOP)
+                w.conn.send_bytes(STOP)
     for pool in pools:
         if not pool.closed:
             pool.reap(grace=2.0)
-    _stop_fork_server()
+    stop_fork_server()
 
 
 def pool_token(backend: str, world_size: int) -> int | None:

@@ -29,10 +29,10 @@ class _Transfer(NamedTuple):
     what: str
 
 
-class _Referee:
+class Referee:
     """Matches the calls every rank of one run posts, and answers each rank with "ok" or an error.
 
-    Lives in the parent for one run, fed by :meth:`_Pool._exchange`; it sees every rank at once, so it
+    Lives in the parent for one run, fed by :class:`~dstest.worlds.process.gather.Gathering`; it sees every rank at once, so it
     also tells a rank that waits for a collective another rank will never join because that rank
     finished or failed, and reports a deadlock when every rank still running waits in a call that
     cannot complete.

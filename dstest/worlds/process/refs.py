@@ -1,5 +1,5 @@
-"""Function references: how the parent names a rank function (:func:`_reference`) and how a worker finds
-it again (:func:`_import_module`: by name, or loaded from its file, with pytest's assertion rewriting
+"""Function references: how the parent names a rank function (:func:`function_ref`) and how a worker finds
+it again (:func:`import_ref`: by name, or loaded from its file, with pytest's assertion rewriting
 when the parent had it).
 """
 
@@ -16,11 +16,11 @@ from typing import Any
 from dstest.errors import (
     InvalidArgument,
 )
-from dstest.worlds.process.messages import _FnRef
+from dstest.worlds.process.messages import FnRef
 from dstest.worlds.protocol import rank_function_of
 
 
-def _reference(fn: Callable[..., Any]) -> _FnRef:
+def function_ref(fn: Callable[..., Any]) -> FnRef:
     """How workers will find ``fn``; raises InvalidArgument when they could not."""
     body: Any = rank_function_of(fn)
     module_name = getattr(body, "__module__", None)
@@ -51,10 +51,10 @@ def _reference(fn: Callable[..., Any]) -> _FnRef:
     if module is None or found is not body:
         raise InvalidArgument(f"fn={fn!r} is not reachable as {module_name}.{qualname}: {how}")
     path = getattr(module, "__file__", None)
-    return _FnRef(module_name, qualname, os.path.abspath(path) if path else None, "@py_builtins" in vars(module))
+    return FnRef(module_name, qualname, os.path.abspath(path) if path else None, "@py_builtins" in vars(module))
 
 
-def _import_module(ref: _FnRef) -> Any:
+def import_ref(ref: FnRef) -> Any:
     """The module ``ref`` names: already imported, importable by name, or loaded from its file."""
     module = sys.modules.get(ref.module)
     if module is not None and (ref.path is None or _same_file(getattr(module, "__file__", None), ref.path)):

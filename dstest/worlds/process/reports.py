@@ -18,7 +18,7 @@ from dstest.errors import RankFailure, StateLeftBehind, WorkerDied, WorldAborted
 from dstest.worlds import build_locks
 from dstest.worlds.process.gather import FAILURE_GRACE, Gathering
 from dstest.worlds.process.handle import WorkerHandle, file_size
-from dstest.worlds.process.messages import _FnRef, _PoolKey, _Reply, _unpickle_exception
+from dstest.worlds.process.messages import FnRef, PoolKey, Reply, unpickle_exception
 from dstest.worlds.stopping import format_stacks
 
 #: Seconds to wait for faulthandler's dump after signalling a worker.
@@ -28,7 +28,7 @@ _STACK_WAIT_S = 1.0
 class FailingPool(Protocol):
     """What a failure report needs of its pool: its workers, its name, and a way to kill them all."""
 
-    key: _PoolKey
+    key: PoolKey
     workers: list[WorkerHandle]
 
     def label(self) -> str: ...
@@ -38,7 +38,7 @@ class FailingPool(Protocol):
 
 def raise_incomplete(
     pool: FailingPool,
-    ref: _FnRef,
+    ref: FnRef,
     timeout: float,
     run: Gathering,
     log_starts: dict[int, int],
@@ -80,7 +80,7 @@ def raise_incomplete(
 
 
 def _raise_died(
-    pool: FailingPool, ref: _FnRef, run: Gathering, log_starts: dict[int, int], recorder: _trace.Recorder
+    pool: FailingPool, ref: FnRef, run: Gathering, log_starts: dict[int, int], recorder: _trace.Recorder
 ) -> NoReturn:
     """A worker died during the run: what the others had replied, and what the dead ones printed."""
     __tracebackhide__ = True
@@ -101,7 +101,7 @@ def _raise_died(
 def rank_failure(
     label: str,
     world_size: int,
-    replies: dict[int, _Reply],
+    replies: dict[int, Reply],
     aborted: dict[int, str],
     *,
     pool_replaced: bool,
@@ -110,7 +110,7 @@ def rank_failure(
     failed = {r: rep for r, rep in replies.items() if not rep.ok}
     exceptions: dict[int, BaseException] = {}
     for r, rep in failed.items():
-        exceptions[r] = _unpickle_exception(rep)
+        exceptions[r] = unpickle_exception(rep)
     for r, text in aborted.items():
         exceptions[r] = WorldAborted(text.splitlines()[0])
     # The first real error first: ranks that were only aborted because of it come after it.
@@ -129,7 +129,7 @@ def rank_failure(
     )
 
 
-def _collect_quietly(workers: list[WorkerHandle], replies: dict[int, _Reply]) -> dict[int, _Reply]:
+def _collect_quietly(workers: list[WorkerHandle], replies: dict[int, Reply]) -> dict[int, Reply]:
     """Replies that other ranks had already sent when one died (for the report)."""
     out = dict(replies)
     for w in workers:
@@ -173,7 +173,7 @@ def _without_watcher(dump: str) -> str:
     return "\n\n".join(b for b in blocks if "in _watch_parent" not in b).strip() + "\n"
 
 
-def warn_state_left_behind(ref: _FnRef, replies: dict[int, _Reply]) -> None:
+def warn_state_left_behind(ref: FnRef, replies: dict[int, Reply]) -> None:
     """One :class:`StateLeftBehind` warning for what the run changed in watched modules, on any rank."""
     found = sorted({item for rep in replies.values() for item in rep.left_behind})
     if found:
@@ -196,7 +196,7 @@ def fault_note(faults: Any, killed: dict[int, Any]) -> str:
     return "\ninjected faults of the run: " + "; ".join(f.describe() for f in faults) + dead
 
 
-def take_traces(replies: dict[int, _Reply], recorder: _trace.Recorder) -> None:
+def take_traces(replies: dict[int, Reply], recorder: _trace.Recorder) -> None:
     """The ranks' collective records, into the recorder of the run (see ``_trace.world_run``)."""
     for r, rep in sorted(replies.items()):
         if rep.trace is not None:

@@ -1,4 +1,4 @@
-"""The worker process: its entry point (:func:`_worker_main`, started by multiprocessing by reference, so it
+"""The worker process: its entry point (:func:`worker_main`, started by multiprocessing by reference, so it
 must stay importable here), the parent watch, and :class:`_Server`, which serves one run after another.
 
 torch-internal: :class:`_Server` reads and resets ``distributed_c10d._world`` (``pg_map``,
@@ -22,10 +22,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dstest.resets import apply as apply_resets
-from dstest.worlds.process.checked import _install_checking
-from dstest.worlds.process.checker import _Checker
-from dstest.worlds.process.messages import _STOP, _Command, _FnRef, _pickle_exception, _Reply, _WorkerConfig
-from dstest.worlds.process.refs import _import_module
+from dstest.worlds.process.checked import install_checking
+from dstest.worlds.process.checker import Checker
+from dstest.worlds.process.messages import STOP, Command, FnRef, Reply, WorkerConfig, pickle_exception
+from dstest.worlds.process.refs import import_ref
 from dstest.worlds.protocol import rank_function_of
 
 #: The backend's own collective timeout. The parent enforces the run's timeout by killing the pool, so
@@ -36,7 +36,7 @@ _BACKEND_TIMEOUT_S = 6 * 3600
 _OUTPUT_LIMIT = 1 << 20  # bytes of one rank's output forwarded per run
 
 
-def _worker_main(cfg: _WorkerConfig, conn: Connection, check_conn: Connection) -> None:
+def worker_main(cfg: WorkerConfig, conn: Connection, check_conn: Connection) -> None:
     """Entry point of a worker process: form the group once, then serve runs until told to stop."""
     os.environ.update(cfg.env)  # before torch is imported: OMP_NUM_THREADS, RANK, ...
     read_fd = _redirect_output(cfg)
@@ -50,7 +50,7 @@ def _worker_main(cfg: _WorkerConfig, conn: Connection, check_conn: Connection) -
             blob = conn.recv_bytes()
         except (EOFError, OSError):
             break  # the parent is gone
-        if blob == _STOP:
+        if blob == STOP:
             break
         reply = server.serve(blob)
         # Before the reply, not after: the parent hands out the next run when every rank replied, so no
@@ -68,7 +68,7 @@ def _worker_main(cfg: _WorkerConfig, conn: Connection, check_conn: Connection) -
     os._exit(0)
 
 
-def _redirect_output(cfg: _WorkerConfig) -> int:
+def _redirect_output(cfg: WorkerConfig) -> int:
     """This process's stdout and stderr, into the rank's log file (line-buffered); returns a reader of it."""
     log_fd = os.open(cfg.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     for stream in (sys.stdout, sys.stderr):
@@ -82,7 +82,7 @@ def _redirect_output(cfg: _WorkerConfig) -> int:
     return os.open(cfg.log_path, os.O_RDONLY)
 
 
-def _watch(cfg: _WorkerConfig) -> None:
+def _watch(cfg: WorkerConfig) -> None:
     """Stacks on SIGUSR1 (the parent asks for them at a timeout), exit when the parent is gone, a process
     name, and Ctrl-C left to the parent."""
     import faulthandler
@@ -98,7 +98,7 @@ def _watch(cfg: _WorkerConfig) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _form_group(cfg: _WorkerConfig, check_conn: Connection) -> tuple[Any, _Checker | None]:
+def _form_group(cfg: WorkerConfig, check_conn: Connection) -> tuple[Any, Checker | None]:
     """Import torch, form the world group (checked on gloo) and warm the backend; returns (device, checker)."""
     import datetime
 
@@ -117,8 +117,8 @@ def _form_group(cfg: _WorkerConfig, check_conn: Connection) -> tuple[Any, _Check
 
     checker = None
     if key.backend == "gloo":
-        checker = _Checker(check_conn, cfg.rank, key.world_size)
-        _install_checking(checker)
+        checker = Checker(check_conn, cfg.rank, key.world_size)
+        install_checking(checker)
     dist.init_process_group(
         key.backend,
         store=file_store(cfg.store_path, key.world_size),
@@ -204,25 +204,25 @@ def _name_process(name: str) -> None:
 class _Server:
     """One worker's state across runs: resolved functions, the world group's store, the log offsets."""
 
-    def __init__(self, cfg: _WorkerConfig, device: Any, read_fd: int, checker: _Checker | None) -> None:
+    def __init__(self, cfg: WorkerConfig, device: Any, read_fd: int, checker: Checker | None) -> None:
         from dstest.worlds.torch_internals import FreshRunState
 
         self.cfg = cfg
         self.checker = checker
         self.device = device
         self.read_fd = read_fd
-        self.functions: dict[_FnRef, Callable[..., Any]] = {}
+        self.functions: dict[FnRef, Callable[..., Any]] = {}
         self.fresh = FreshRunState()  # also keeps the world group, which every run must leave in place
         self.unusable: str | None = None  # why this worker must be replaced after the run
         self.watches: dict[tuple[str, ...], Any] = {}  # module prefixes -> their ModuleStateWatch
 
-    def serve(self, blob: bytes) -> _Reply:
+    def serve(self, blob: bytes) -> Reply:
         """One run on this rank: its function called, then what it left behind checked; the reply."""
         from dstest.context import RankContext
 
         start = self._log_offset()
         run_id = -1
-        cmd: _Command | None = None
+        cmd: Command | None = None
         failure: BaseException | None = None
         value: Any = None
         checking = False
@@ -251,7 +251,7 @@ class _Server:
             result, failure = self._pickled(value)
         return self._reply(run_id, start, result, failure, check_unhealthy, left_behind)
 
-    def _prepare(self, cmd: _Command) -> tuple[Callable[..., Any], Any]:
+    def _prepare(self, cmd: Command) -> tuple[Callable[..., Any], Any]:
         """Before the run's function: find it, give the run fresh groups, put back process-global state, start
         watching the run's modules; returns the function and the rank's context, the RNGs seeded."""
         import random
@@ -315,19 +315,19 @@ class _Server:
         failure: BaseException | None,
         check_unhealthy: str | None,
         left_behind: list[str],
-    ) -> _Reply:
+    ) -> Reply:
         """The run's reply to the parent; the run's groups are left for the next run to destroy."""
         rank = self.cfg.rank
         tb, exc_blob = "", None
         if failure is not None:
             tb = "".join(traceback.format_exception(failure))
-            exc_blob = _pickle_exception(failure)
+            exc_blob = pickle_exception(failure)
         unhealthy = self._end_run() or check_unhealthy
         trace = self.checker.recorder.export(rank) if self.checker is not None else None
         output = self._output_since(start)
         tally = self.checker.faults if self.checker is not None else None  # which faults fired (contract G5)
         ok = failure is None
-        return _Reply(run_id, rank, ok, result, tb, exc_blob, output, unhealthy, trace, tuple(left_behind), tally)
+        return Reply(run_id, rank, ok, result, tb, exc_blob, output, unhealthy, trace, tuple(left_behind), tally)
 
     def _watch(self, prefixes: tuple[str, ...]) -> None:
         """Start watching the module-level state of ``prefixes`` (at the first run that names them)."""
@@ -354,10 +354,10 @@ class _Server:
         return found
 
     # -- finding the function ------------------------------------------------------------------------
-    def _resolve(self, ref: _FnRef) -> Callable[..., Any]:
+    def _resolve(self, ref: FnRef) -> Callable[..., Any]:
         fn = self.functions.get(ref)
         if fn is None:
-            module = _import_module(ref)
+            module = import_ref(ref)
             obj: Any = module
             for part in ref.qualname.split("."):
                 obj = getattr(obj, part)

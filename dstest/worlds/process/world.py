@@ -14,10 +14,10 @@ import dstest.trace as _trace
 from dstest.errors import (
     UnguardedMain,
 )
-from dstest.worlds.process.messages import _PoolKey
+from dstest.worlds.process.messages import PoolKey
 from dstest.worlds.process.pool import Pool
 from dstest.worlds.process.pool_cache import pool_for, replace_closed, run_cold, warm_worker_cap
-from dstest.worlds.process.refs import _reference
+from dstest.worlds.process.refs import function_ref
 from dstest.worlds.request import RunRequest
 
 # ------------------------------------------------------------------------------------------------------
@@ -162,9 +162,9 @@ class ProcessWorld:
             request.refuse_faults(f"{self.name} ({self.backend})")
         # The function travels by reference; the request's setup (the spec layer's binding of the system
         # under test) by pickle, and the worker runs it before the function.
-        ref = _reference(request.fn)
+        ref = function_ref(request.fn)
         world_size = request.world_size
-        key = _PoolKey(self.backend, self.device, world_size)
+        key = PoolKey(self.backend, self.device, world_size)
         with _trace.world_run(self.name, world_size, request.recorder) as recorder:
             cap = warm_worker_cap(self.max_warm_workers)
             if world_size > cap:
@@ -184,12 +184,12 @@ class ProcessWorld:
             cap = warm_worker_cap(self.max_warm_workers)
             if ws > cap:
                 continue  # runs cold
-            pool_for(_PoolKey(self.backend, self.device, ws), self.name, cap)
+            pool_for(PoolKey(self.backend, self.device, ws), self.name, cap)
 
     def warm(self, world_size: int) -> float:
         """Start (if needed) and wait for the pool of ``world_size`` ranks; returns its launch-to-ready seconds."""
         _check_not_bootstrapping("warm")
-        key = _PoolKey(self.backend, self.device, world_size)
+        key = PoolKey(self.backend, self.device, world_size)
         cap = warm_worker_cap(self.max_warm_workers)
         if world_size > cap:  # nothing is kept: measure a cold start
             cold = Pool(key, self.name).start()
