@@ -46,13 +46,19 @@ The package, one module per concern (each imports only those before it in this l
 - :mod:`~dstest.worlds.process.checker`, :mod:`~dstest.worlds.process.checked_group` and
   :mod:`~dstest.worlds.process.checked`: the worker side of the cross-rank check (a rank's posted calls;
   the ``CheckedGroup`` torch sees, made from the checking core's c10d table; its registration);
+- :mod:`~dstest.worlds.process.state_watch`: what a run leaves behind in a warm worker, put back and named;
 - :mod:`~dstest.worlds.process.worker`: the worker process's entry point and run loop;
 - :mod:`~dstest.worlds.process.referee`: the parent side of the cross-rank check (it drives the checking
-  core, :mod:`dstest.worlds.core.matching`, as the threaded world's session does);
+  core, :mod:`dstest.worlds.core.matching`, as the threaded world's rendezvous does);
 - :mod:`~dstest.worlds.process.launch`: the fork server or spawn, ports, threads per rank;
-- :mod:`~dstest.worlds.process.pool`: one pool of warm workers and its failure reports;
-- :mod:`~dstest.worlds.process.pool_cache`: the pools of this process, the warm cap, :func:`shutdown_all`;
-- :mod:`~dstest.worlds.process.world`: :class:`ProcessWorld` and cold runs.
+- :mod:`~dstest.worlds.process.handle`: the parent's handle on one worker (its process, pipes and log);
+- :mod:`~dstest.worlds.process.gather`: one run's traffic with the workers and the referee;
+- :mod:`~dstest.worlds.process.reports`: what a run reports (output, traces, state left behind, failures);
+- :mod:`~dstest.worlds.process.pool`: one pool of warm workers: its lifecycle and its runs;
+- :mod:`~dstest.worlds.process.pool_cache`: the pools of this process, the warm cap, cold runs,
+  :func:`shutdown_all`;
+- :mod:`~dstest.worlds.process.world`: :class:`ProcessWorld`;
+- :mod:`~dstest.worlds.process.byref`: the stable API of the compat plugins (imports what it offers).
 """
 
 from __future__ import annotations
