@@ -199,3 +199,48 @@ def direct_op_call(ctx):
 def test_an_op_called_directly_on_a_dstest_group_is_refused_by_name():
     with pytest.raises(dstest.RankFailure, match="called directly on a dstest group"):
         dstest.run(direct_op_call, 2, world="process")
+
+
+class Seeing(torch.Tensor):
+    """A tensor subclass that notes the c10d ops its ``__torch_dispatch__`` sees, as a wrapper subclass of a
+    user's (a quantized or sharded tensor type) would handle them."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> Seeing:
+        made = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+        made.inner, made.seen = inner, []
+        return made
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_flatten, tree_map_only
+
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, Seeing) and func.namespace == "c10d":
+                t.seen.append(func.__name__)
+        plain = tree_map_only(Seeing, lambda t: t.inner, (args, kwargs or {}))
+        return func(*plain[0], **plain[1])
+
+
+def subclass_in_collectives(ctx):
+    t = Seeing(torch.full((3,), float(ctx.rank + 1)))
+    dist.all_reduce(t)
+    dist.broadcast(t, 0)
+    return t.seen, t.inner.tolist()
+
+
+def subclass_on_own_gloo(ctx, path):
+    with torch_internals.hidden_c10d_world(checked=False):
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=ctx.rank, world_size=ctx.world_size)
+        try:
+            return subclass_in_collectives(ctx)
+        finally:
+            dist.destroy_process_group()
+
+
+def test_a_tensor_subclass_sees_the_collectives_it_takes_part_in_as_on_gloo():
+    path = os.path.join(tempfile.gettempdir(), f"dstest-e16-{uuid.uuid4().hex}")
+    gloo = dstest.run(subclass_on_own_gloo, 2, world="process", args=(path,))
+    assert gloo[0] == (["allreduce_.default", "broadcast_.default"], [3.0, 3.0, 3.0])
+    assert dstest.run(subclass_in_collectives, 2, world="process") == gloo
+    assert dstest.run(subclass_in_collectives, 2) == gloo

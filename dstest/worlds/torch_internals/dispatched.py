@@ -156,20 +156,33 @@ _library: Any = None  # torch.library.Library("c10d", "IMPL"), kept alive while 
 
 def observed(args: dict[str, Any]) -> bool:
     """Whether anything watches the dispatcher on this thread: a dispatch mode (``CommDebugMode``, fake
-    tensors, ``DebugMode``), the profiler, or a tensor subclass among the call's tensors."""
-    if torch._C._len_torch_dispatch_stack() > 0 or torch.autograd.profiler._is_profiler_enabled:
+    tensors, ``DebugMode``), the profiler, or a tensor subclass among the call's tensors. On every collective
+    of the threaded world: plain type tests, no isinstance of a union."""
+    if _dispatch_modes() or _profiler._is_profiler_enabled:
         return True
     for value in args.values():
-        for t in value if isinstance(value, list | tuple) else (value,):
-            if isinstance(t, list | tuple):
-                if any(type(u) not in _PLAIN for u in t):
+        kind = type(value)
+        if kind is list or kind is tuple:
+            for item in value:
+                inner = type(item)
+                if inner is list or inner is tuple:
+                    if any(_subclass(type(t)) for t in item):
+                        return True
+                elif _subclass(inner):
                     return True
-            elif isinstance(t, torch.Tensor) and type(t) not in _PLAIN:
-                return True
+        elif _subclass(kind):
+            return True
     return False
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter, int, float, str, type(None)))
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_profiler = torch.autograd.profiler
+
+
+def _subclass(kind: type) -> bool:
+    """A tensor class other than torch's own (a subclass with its own ``__torch_dispatch__``)."""
+    return kind not in _PLAIN and issubclass(kind, torch.Tensor)
 
 
 def dispatched(group: DispatchedGroup, method: Any, args: dict[str, Any]) -> Any:
@@ -259,6 +272,16 @@ def _install_kernels() -> None:
         _library = library
 
 
+_NOT_TENSORS = frozenset(("opts", "dst", "src", "tag", "output_split_sizes", "input_split_sizes"))
+
+
+def _tensor_params(method: Any) -> list[str]:
+    """The method's tensor parameters, in the order the op takes them before its process group (torch
+    2.11-2.15: ``allreduce_(tensors, ...)``, ``_allgather_base_(output, input, ...)``, ``barrier(tensor, ...)``
+    whose tensor the method does not have)."""
+    return [p for p in method.params if p not in _NOT_TENSORS]
+
+
 def _kernel(overload: Any) -> Any:
     schema = overload._schema
     group_at = [a.name for a in schema.arguments].index("process_group")
@@ -272,6 +295,8 @@ def _kernel(overload: Any) -> Any:
             method, bound = handed.method, handed.args
             handed.group = handed.method = handed.args = None
             assert bound is not None
+            for param, value in zip(_tensor_params(method), args[:group_at]):
+                bound[param] = value  # what reached the op: a tensor subclass or a mode may have unwrapped it
             work = group._issue_c10d(method, bound)
             handed.work = work  # alive until dispatched() returns it (boxed, it keeps its class only so)
             boxed = work.boxed()
