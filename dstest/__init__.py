@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "DEFAULT_WORLDS": "dstest.worlds",
     "WORLD_NAMES": "dstest.worlds",
+    "Capabilities": "dstest.worlds",
     "World": "dstest.worlds",
     "get_world": "dstest.worlds",
     "RunRequest": "dstest.worlds.request",
@@ -125,5 +126,6 @@ if TYPE_CHECKING:
     from dstest.trace import recording as recording
     from dstest.worlds import DEFAULT_WORLDS as DEFAULT_WORLDS
     from dstest.worlds import WORLD_NAMES as WORLD_NAMES
+    from dstest.worlds import Capabilities as Capabilities
     from dstest.worlds import World as World
     from dstest.worlds import get_world as get_world

@@ -222,3 +222,88 @@ def test_target_environment_comes_from_the_target() -> None:
     assert binding.environment("cpu") == {"DS_ACCELERATOR": "cpu"} and binding.environment("cuda") == {}
     assert TargetBinding("impl").environment("cpu") == {}
     assert pickle.loads(pickle.dumps(binding)) == binding  # built-ins travel by name
+
+
+CAPABLE_CONFTEST = '''
+import pathlib
+
+import dstest
+from dstest.worlds import get_world
+
+
+class CapableWorld:
+    """Ranks as threads; declares what it can do (shape checks, nothing else) and is closed once at the end."""
+
+    name = "capworld"
+    marker = "cpu"
+    capabilities = dstest.Capabilities(strict_shapes=True)
+
+    def unavailable_reason(self, world_size):
+        return None
+
+    def run(self, request):
+        return get_world("threaded").run(request)
+
+    def close(self):
+        with open(pathlib.Path(__file__).parent / "closed.txt", "a") as f:
+            f.write("closed\\n")
+
+
+def pytest_dstest_worlds():
+    return {"capworld": CapableWorld}
+'''
+
+CAPABLE_TESTS = """
+import torch
+import torch.distributed as dist
+
+import dstest
+from dstest.faults import Kill
+
+
+def _shapes_differ(ctx):
+    dist.all_reduce(torch.ones(2, 3) if ctx.rank == 0 else torch.ones(3, 2))
+
+
+@dstest.spec(world_size=[2], worlds=["capworld"])
+def test_runs(ctx):
+    dist.all_reduce(torch.ones(2))
+
+
+@dstest.spec(world_size=[2], worlds=["capworld"], faults=[Kill(1)])
+def test_asks_for_faults(ctx):
+    dist.all_reduce(torch.ones(2))
+
+
+def test_strict_shapes_are_asked_of_it():
+    try:
+        dstest.run(_shapes_differ, 2, world="capworld", strict_shapes=True)
+    except dstest.CollectiveMismatch as exc:
+        assert "shape" in str(exc)
+    except dstest.RankFailure as exc:
+        assert "CollectiveMismatch" in str(exc), exc
+    else:
+        raise AssertionError("a shape-only difference passed with strict_shapes=True")
+
+
+def test_module_watch_is_refused():
+    try:
+        dstest.run(_shapes_differ, 2, world="capworld", watch_modules=["json"])
+    except dstest.InvalidArgument as exc:
+        assert "the capworld world does not watch module state" in str(exc), exc
+    else:
+        raise AssertionError("watch_modules ran on a world that does not declare it")
+"""
+
+
+def test_a_third_party_world_declares_what_it_can_do_and_is_closed_once(pytester: pytest.Pytester) -> None:
+    """A plug-in world's ``capabilities`` decide what runs on it (what it does not declare is refused before any
+    rank starts, with the world named), and the session's end closes it through ``close()``, once."""
+    pytester.makeconftest(CAPABLE_CONFTEST)
+    pytester.makepyfile(test_capable=CAPABLE_TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA")
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines(
+        ["*InvalidArgument: faults=*: the capworld world cannot inject faults*", "FAILED *test_asks_for_faults*"]
+    )
+    assert (pytester.path / "closed.txt").read_text() == "closed\n"

@@ -153,8 +153,6 @@ class Lockstep:
     # -- end -----------------------------------------------------------------------------------------------
     @pytest.hookimpl(trylast=True)
     def pytest_unconfigure(self, config: pytest.Config) -> None:
-        from dstest.worlds import launched
-
         launch, session = self.launch, self.session
         done = launch.key("done")
         if session is not None:
@@ -162,7 +160,8 @@ class Lockstep:
                 launch.post(done, str(int(session.exitstatus)).encode())
             elif not launch.wait_for([done], time.monotonic() + self.timeout + COLLECT_TIMEOUT_S):
                 session.exitstatus = int(launch.get(done).decode())
-        launched.shutdown()
+        # The launched world itself is closed with every other world (the plugin's unconfigure): this
+        # object holds the launch until it is dropped.
         if self._devnull is not None:
             self._devnull.close()
 

@@ -28,7 +28,6 @@ from dstest.binding import TargetBinding
 from dstest.specification.decorator import spec
 from dstest.specification.info import (
     CASE_ARG,
-    HAZARD_WORLDS,
     INSTANCE_ARG,
     SETTINGS_ARG,
     SKIP_LOCATION_ATTR,
@@ -44,7 +43,6 @@ from dstest.specification.runs import run, run_spec
 
 __all__ = [
     "CASE_ARG",
-    "HAZARD_WORLDS",
     "INSTANCE_ARG",
     "JUDGED_ON_PROCESSES",
     "SETTINGS_ARG",

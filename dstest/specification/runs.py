@@ -11,7 +11,6 @@ from dstest.errors import InvalidSpec, RankFailure
 from dstest.registry import check_world_name
 from dstest.specification.bodies import SpecSelf, refuse_unrun_results
 from dstest.specification.info import (
-    HAZARD_WORLDS,
     INSTANCE_ARG,
     Case,
     Settings,
@@ -23,6 +22,7 @@ from dstest.specification.info import (
 from dstest.specification.judging import crosschecked, judge_on_processes, sampled, thread_shared
 from dstest.specification.skips import skip, skip_if_every_rank_skipped, skip_location
 from dstest.worlds.core.faults import check_faults
+from dstest.worlds.protocol import Capabilities
 from dstest.worlds.request import DEFAULT_SEED, DEFAULT_TIMEOUT, RunRequest
 
 __all__ = ["run", "run_spec"]
@@ -74,17 +74,25 @@ def run(
         seed=seed,
         setup=binding,  # binding(ctx) on every rank, then fn
         async_hazards=async_hazards,
-        strict_shapes=strict_shapes or (info is not None and info.strict_shapes),
+        strict_shapes=strict_shapes or (info is not None and info.strict_shapes and capabilities(world).strict_shapes),
         watch_modules=tuple(watch_modules) if not isinstance(watch_modules, str) else (watch_modules,),
         faults=check_faults(faults) or (info.faults if info is not None else ()),
     )
     from dstest.worlds import get_world
 
+    capabilities(world).refuse(request, world)  # before anything starts; a plug-in world may not refuse it
     if prepares(target, fn):
         binding.prepare(world_device(world))  # the target's builds, once, outside the run's timeout
     results = get_world(world).run(request)
     refuse_unrun_results(results, fn, generators=False)
     return results
+
+
+def capabilities(world: str) -> Capabilities:
+    """What world ``world`` declares it can do beyond running ranks."""
+    from dstest.worlds import capabilities_of, get_world
+
+    return capabilities_of(get_world(world))
 
 
 def _checked_spec(fn: Callable[..., Any], world: str, async_hazards: bool, strict_shapes: bool) -> SpecInfo | None:
@@ -129,16 +137,19 @@ def run_spec(
             timeout=info.timeout or settings.timeout,
             seed=settings.seed,
             setup=binding,  # on every rank, before the body
-            async_hazards=(info.async_hazards or settings.async_hazards) and world_name in HAZARD_WORLDS,
-            strict_shapes=info.strict_shapes or settings.strict_shapes,
+            # The session-wide switches apply where the world declares them (Capabilities).
+            async_hazards=(info.async_hazards or settings.async_hazards) and capabilities(world_name).hazards,
+            strict_shapes=(info.strict_shapes or settings.strict_shapes) and capabilities(world_name).strict_shapes,
             faults=info.faults,
         )
 
     judge = settings.judge_on_processes and case.world == "threaded"
     if case.world == "threaded" and sampled(settings.crosscheck, f"{info.name}[{case.id}]"):
         return crosschecked(info, case, world, request_for, judge)
+    request = request_for(case.world)
+    capabilities(case.world).refuse(request, case.world)  # a plug-in world may not refuse it itself
     try:
-        results = world.run(request_for(case.world))
+        results = world.run(request)
     except RankFailure as failure:
         skip_if_every_rank_skipped(info, failure)
         shared = thread_shared(world, failure)

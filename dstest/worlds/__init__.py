@@ -10,19 +10,26 @@
 | launched       | the launcher's processes     | NCCL on GPUs, gloo on CPU          |
 
 Plug-ins add worlds (a pytest hook, an entry point in the group ``dstest.worlds`` or
-:func:`register_world`, see :mod:`dstest.registry`); :func:`world_names` lists them all.
+:func:`register_world`, see :mod:`dstest.registry`); :func:`world_names` lists them all. Each world declares
+what it can do beyond running ranks (:class:`Capabilities`) and is closed through ``close()`` when the test
+session ends (:mod:`dstest.worlds.lifecycle`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from dstest.registry import BUILTIN_WORLD_MARKERS, BUILTIN_WORLDS, register_world, world_factory, world_names
-from dstest.worlds.protocol import World
+from dstest.worlds import lifecycle
+from dstest.worlds.protocol import Capabilities, World, capabilities_of
 
 __all__ = [
     "DEFAULT_WORLDS",
     "WORLD_MARKERS",
     "WORLD_NAMES",
+    "Capabilities",
     "World",
+    "capabilities_of",
     "get_world",
     "register_world",
     "world_names",
@@ -38,6 +45,10 @@ DEFAULT_WORLDS = ("threaded", "nccl")
 
 
 def get_world(name: str) -> World:
-    """A world by name (see the table above); worlds are cheap to create, state lives in ``run``."""
-    world: World = world_factory(name)()
+    """The open world of this name (see the table above): made on first use, the same one until the session's
+    end closes it (:func:`dstest.worlds.lifecycle.close_all`); a plug-in registered again under the name gets
+    a world of its own."""
+    factory = world_factory(name)
+    key: Any = name if name in BUILTIN_WORLDS else (name, factory)
+    world: World = lifecycle.open_world(key, factory)
     return world

@@ -21,6 +21,7 @@ from dstest.errors import InvalidArgument, RankFailure, WorldTimeout
 from dstest.worlds import collectives as C
 from dstest.worlds import torch_internals
 from dstest.worlds.core import c10d
+from dstest.worlds.protocol import Capabilities
 from dstest.worlds.request import RunRequest
 from dstest.worlds.stopping import format_exception
 from dstest.worlds.threaded.group import rank_process_group, register_backend
@@ -80,6 +81,8 @@ class FakeWorld:
 
     name = "fake"
     marker = "cpu"
+    #: No data moves and each simulated rank runs alone: nothing to poison, no peer to compare shapes with.
+    capabilities = Capabilities()
 
     def __init__(self, ranks: Sequence[int] | None = None) -> None:
         self.ranks = tuple(ranks) if ranks is not None else None
@@ -88,8 +91,7 @@ class FakeWorld:
         return None
 
     def run(self, request: RunRequest) -> list[Any]:
-        request.refuse_faults("fake")
-        request.refuse_watch("fake")
+        self.capabilities.refuse(request, self.name)
         world_size = request.world_size
         ranks = self.ranks if self.ranks is not None else tuple(sorted({0, world_size - 1}))
         bad = [r for r in ranks if not 0 <= r < world_size]
@@ -98,6 +100,9 @@ class FakeWorld:
         register_backend()
         with _trace.world_run(self.name, world_size, request.recorder) as recorder:
             return self._run(request, ranks, recorder)
+
+    def close(self) -> None:
+        """Nothing to stop: every simulated rank's thread ends with its run."""
 
     def _run(self, request: RunRequest, ranks: Sequence[int], recorder: _trace.Recorder) -> list[Any]:
         world_size, timeout, seed = request.world_size, request.timeout, request.seed

@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dstest.errors import DstestError, InvalidArgument, InvalidWorldSize, RankFailure, WorldAborted, WorldTimeout
+from dstest.worlds import lifecycle
+from dstest.worlds.protocol import Capabilities
 from dstest.worlds.request import RunRequest
 
 __all__ = [
@@ -266,6 +268,7 @@ def connect(timeout: float = CONNECT_TIMEOUT_S) -> Launch:
             env=env, backend=backend, store=store, pg_store=pg_store, device=device, prefix=f"dstest/{env.tag}/"
         )
         _LAUNCH.append(launch)
+        lifecycle.keep("launch", shutdown)
         return launch
 
 
@@ -279,6 +282,8 @@ class LaunchedWorld:
     """Runs a function on the first ``world_size`` ranks of the launch this process belongs to."""
 
     name = "launched"
+    #: The launcher's processes run the backend as it is: dstest checks, poisons and injects nothing there.
+    capabilities = Capabilities()
 
     @property
     def marker(self) -> str:
@@ -296,9 +301,12 @@ class LaunchedWorld:
             return f"needs {world_size} launched ranks, the launcher started {env.world_size}"
         return None
 
+    def close(self) -> None:
+        """Forget the launch this process belongs to (its store connections close with it)."""
+        shutdown()
+
     def run(self, request: RunRequest) -> list[Any]:
-        request.refuse_faults("launched")
-        request.refuse_watch("launched")
+        self.capabilities.refuse(request, self.name)
         world_size, timeout = request.world_size, request.timeout
         launch = connect()
         if world_size > launch.world_size:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dstest.worlds.protocol import Capabilities
 from dstest.worlds.request import RunRequest
 
 if TYPE_CHECKING:
@@ -30,6 +31,10 @@ class NcclWorld:
     """Runs a function on every rank over NCCL, rank r on ``cuda:r`` (same contract as ProcessWorld)."""
 
     name = "nccl"
+    #: Hazards and strict shapes are checked where the threaded stand-in runs (fewer GPUs than ranks; it refuses
+    #: watch_modules), module state is watched where real NCCL runs (its worker pools check neither); no faults.
+    capabilities = Capabilities(hazards=True, module_watch=True, strict_shapes=True)
+    _started = False  # whether a run went to the NCCL worker pools (close() stops them)
 
     def _processes(self) -> ProcessWorld:
         # Imported only when GPUs are there: a GPU-less run never loads the process pools.
@@ -49,8 +54,13 @@ class NcclWorld:
             return self._processes().unavailable_reason(world_size)
         return None  # the threaded stand-in runs it
 
+    def close(self) -> None:
+        """Stop the NCCL worker pools of this process (the threaded stand-in keeps nothing: it runs cold)."""
+        if self._started:
+            self._processes().close()
+
     def run(self, request: RunRequest) -> list[Any]:
-        request.refuse_faults("nccl")
+        self.capabilities.refuse(request, self.name)
         world_size = request.world_size
         found = _cuda_devices()
         if found == 0:
@@ -63,4 +73,5 @@ class NcclWorld:
             from dstest.worlds.threaded import ThreadedWorld
 
             return ThreadedWorld(device="cuda").run(request)
-        return self._processes().run(request)
+        self._started = True
+        return self._processes().run(request.replace(async_hazards=False, strict_shapes=False))

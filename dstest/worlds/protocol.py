@@ -11,6 +11,7 @@ what is allowed (docs/contracts.md, "clear error").
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import numbers
@@ -23,8 +24,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_TIMEOUT_S",
+    "NO_CAPABILITIES",
     "RANK_FN_ATTR",
+    "Capabilities",
     "World",
+    "capabilities_of",
     "check_rank_function",
     "check_seed",
     "check_timeout",
@@ -143,6 +147,66 @@ def check_rank_function(fn: object, name: str = "fn") -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a world can do beyond running ranks, as it declares it (``World.capabilities``).
+
+    ``faults``: inject ``Kill``, ``Fail`` and ``Delay`` (:mod:`dstest.faults`, contract G5); ``hazards``:
+    poison the outputs of async collectives until their wait (``async_hazards``); ``module_watch``: put back
+    and report the module-level state a run changed (``watch_modules``); ``strict_shapes``: refuse buffers
+    that differ between ranks only in shape. A run that asks for what its world does not declare is refused
+    before any rank starts (:meth:`refuse`), and a session-wide option (``--dstest-async-hazards``,
+    ``--dstest-strict-shapes``) applies only to the worlds that declare it.
+    """
+
+    faults: bool = False
+    hazards: bool = False
+    module_watch: bool = False
+    strict_shapes: bool = False
+
+    def refuse(self, request: RunRequest, world: str) -> None:
+        """Raise :class:`InvalidArgument` naming the setting, its value and the world when ``request`` asks for
+        what world ``world`` does not declare."""
+        if request.faults and not self.faults:
+            raise InvalidArgument(
+                f"faults={list(request.faults)!r}: the {world} world cannot inject faults; faults run on "
+                "world='threaded' and world='process' (gloo)"
+            )
+        if request.watch_modules and not self.module_watch:
+            raise InvalidArgument(
+                f"watch_modules={request.watch_modules!r}: the {world} world does not watch module state (rank "
+                "threads share one process's modules; launched ranks are not dstest's workers); the watch "
+                "runs on world='process'"
+            )
+        if request.async_hazards and not self.hazards:
+            raise InvalidArgument(
+                f"async_hazards=True: the {world} world cannot poison unwaited outputs (the fake world moves no "
+                "data, gloo and NCCL write outputs themselves); the threaded worlds can"
+            )
+        if request.strict_shapes and not self.strict_shapes:
+            raise InvalidArgument(
+                f"strict_shapes=True: the {world} world does not compare the shapes of the ranks' buffers; the "
+                "threaded world and world='process' (gloo) do"
+            )
+
+
+#: What a world that declares nothing can do: run ranks, nothing more.
+NO_CAPABILITIES = Capabilities()
+
+
+def capabilities_of(world: object) -> Capabilities:
+    """What ``world`` declares it can do (:data:`NO_CAPABILITIES` for a plug-in world that declares nothing)."""
+    declared = getattr(world, "capabilities", None)
+    if declared is None:
+        return NO_CAPABILITIES
+    if not isinstance(declared, Capabilities):
+        raise InvalidArgument(
+            f"world {getattr(world, 'name', world)!r}: capabilities={declared!r} must be a dstest.Capabilities "
+            "(e.g. dstest.Capabilities(faults=True))"
+        )
+    return declared
+
+
 @runtime_checkable
 class World(Protocol):
     """Runs ``fn(ctx, *args, **kwargs)`` on the ranks of a (simulated or real) process group.
@@ -156,6 +220,12 @@ class World(Protocol):
     sends the function there by reference or by pickle (it may be a picklable callable object, not only a
     module-level function) and the setup by pickle. Plug-in worlds are registered through
     :mod:`dstest.registry`.
+
+    A world declares what it can do beyond running ranks (:attr:`capabilities`) and lets go of what it keeps
+    between runs in :meth:`close` (warm rank threads, worker pools): :func:`dstest.worlds.get_world` hands out
+    one open world per name, and :func:`dstest.worlds.lifecycle.close_all` closes every open world when the
+    test session ends and at exit. A plug-in world without ``capabilities`` can do nothing more than run
+    ranks; one without ``close`` keeps nothing.
     """
 
     name: str
@@ -169,6 +239,15 @@ class World(Protocol):
         """Why this world cannot run ``world_size`` ranks here (a skip reason), or None."""
         ...
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this world can do beyond running ranks; a request asking for more is refused."""
+        ...
+
     def run(self, request: RunRequest) -> list[Any]:
         """Run ``request`` (:class:`dstest.worlds.request.RunRequest`, checked when made) on its ranks."""
+        ...
+
+    def close(self) -> None:
+        """Stop what this world keeps between runs; it may run again afterwards (it starts afresh)."""
         ...

@@ -55,8 +55,8 @@ class RunRequest:
     the :class:`dstest.trace.Recorder` the run writes its collectives into; None gives the run a
     fresh one. ``watch_modules`` (module names or prefixes, e.g. ``("deepspeed",)``): in the process world,
     what a run changes in their module-level state is put back after it and reported as
-    :class:`~dstest.errors.StateLeftBehind` (:mod:`dstest.worlds.process.state_watch`); the other worlds
-    refuse it. ``faults``: :mod:`dstest.faults` to inject (``Kill``,
+    :class:`~dstest.errors.StateLeftBehind` (:mod:`dstest.worlds.process.state_watch`); a world that does not
+    declare it refuses it (:class:`~dstest.worlds.protocol.Capabilities`). ``faults``: :mod:`dstest.faults` to inject (``Kill``,
     ``Fail``, ``Delay``; threaded and process worlds; contract G5). Made once, checked once: a bad value raises
     :class:`~dstest.errors.InvalidArgument` naming it.
     """
@@ -111,23 +111,6 @@ class RunRequest:
     def replace(self, **changes: Any) -> RunRequest:
         """This request with some fields changed (checked again)."""
         return dataclasses.replace(self, **changes)
-
-    def refuse_faults(self, world: str) -> None:
-        """Raise InvalidArgument when this request injects faults into a world that cannot (contract G5)."""
-        if self.faults:
-            raise InvalidArgument(
-                f"faults={list(self.faults)!r}: the {world} world cannot inject faults; faults run on "
-                "world='threaded' and world='process' (gloo)"
-            )
-
-    def refuse_watch(self, world: str) -> None:
-        """Raise InvalidArgument when this request watches modules in a world that does not watch them."""
-        if self.watch_modules:
-            raise InvalidArgument(
-                f"watch_modules={self.watch_modules!r}: the {world} world does not watch module state (rank "
-                "threads share one process's modules; launched ranks are not dstest's workers); the watch "
-                "runs on world='process'"
-            )
 
     @property
     def name(self) -> str:

@@ -5,7 +5,6 @@ least-recently-used order (:func:`warm_worker_cap`), replaced when they break, a
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import threading
@@ -14,6 +13,7 @@ from typing import Any
 
 import dstest.trace as _trace
 from dstest.errors import InvalidArgument
+from dstest.worlds import lifecycle
 from dstest.worlds.process.launch import stop_fork_server
 from dstest.worlds.process.messages import STOP, FnRef, PoolKey
 from dstest.worlds.process.pool import Pool
@@ -35,19 +35,15 @@ DEFAULT_MAX_WARM_WORKERS = max(32, 4 * (os.cpu_count() or 1))
 _POOLS: dict[PoolKey, Pool] = {}
 _POOLS_LOCK = threading.Lock()
 _COLD: set[Pool] = set()  # pools of cold runs in progress (stopped by shutdown_all too)
-_ATEXIT_REGISTERED = False
 
 
 def pool_for(key: PoolKey, world_name: str, cap: int) -> Pool:
-    global _ATEXIT_REGISTERED
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
         if pool is None or pool.closed:
             _evict_for(key.world_size, cap)
             pool = _POOLS[key] = Pool(key, world_name).start()
-        if not _ATEXIT_REGISTERED:
-            atexit.register(shutdown_all)
-            _ATEXIT_REGISTERED = True
+        lifecycle.keep("process pools", shutdown_all)  # stopped at the session's end, whoever made it
         pool.last_used = time.monotonic()
         return pool
 
@@ -118,7 +114,8 @@ def run_cold(key: PoolKey, world_name: str, ref: FnRef, request: RunRequest, rec
 
 
 def shutdown_all() -> None:
-    """Stop every worker of every pool of this process (the plugin calls it at session end; atexit too)."""
+    """Stop every worker of every pool of this process (``ProcessWorld.close()``;
+    the session's end and interpreter exit, through :func:`dstest.worlds.lifecycle.close_all`)."""
     with _POOLS_LOCK:
         pools = list(_POOLS.values()) + list(_COLD)
         _POOLS.clear()

@@ -16,8 +16,9 @@ from dstest.errors import (
 )
 from dstest.worlds.process.messages import PoolKey
 from dstest.worlds.process.pool import Pool
-from dstest.worlds.process.pool_cache import pool_for, replace_closed, run_cold, warm_worker_cap
+from dstest.worlds.process.pool_cache import pool_for, replace_closed, run_cold, shutdown_all, warm_worker_cap
 from dstest.worlds.process.refs import function_ref
+from dstest.worlds.protocol import Capabilities
 from dstest.worlds.request import RunRequest
 
 # ------------------------------------------------------------------------------------------------------
@@ -144,6 +145,17 @@ class ProcessWorld:
     def marker(self) -> str:
         return "gpu" if self.device == "cuda" else "cpu"
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """Every worker watches module state; gloo pools are checked across ranks (strict shapes) and inject
+        faults; nothing poisons outputs (gloo and NCCL write them themselves)."""
+        checked = self.backend == "gloo"
+        return Capabilities(faults=checked, module_watch=True, strict_shapes=checked)
+
+    def close(self) -> None:
+        """Stop every worker pool of this process (gloo's and NCCL's: they share one cache and one cap)."""
+        shutdown_all()
+
     def unavailable_reason(self, world_size: int) -> str | None:
         import torch.distributed as dist
 
@@ -158,8 +170,7 @@ class ProcessWorld:
     def run(self, request: RunRequest) -> list[Any]:
         __tracebackhide__ = True
         _check_not_bootstrapping("run")
-        if self.backend != "gloo":
-            request.refuse_faults(f"{self.name} ({self.backend})")
+        self.capabilities.refuse(request, self.name)
         # The function travels by reference; the request's setup (the spec layer's binding of the system
         # under test) by pickle, and the worker runs it before the function.
         ref = function_ref(request.fn)

@@ -1,12 +1,12 @@
 """Warm crews: rank threads of the threaded world kept with their default group formed, one run after another.
 
 A crew per (device, world size), least recently used first, at most :func:`warm_thread_cap` threads in all;
-:func:`shutdown_all` stops them (the plugin at the rendezvous's end, and at interpreter exit).
+:func:`shutdown_all` stops them: ``ThreadedWorld.close()``, and :func:`dstest.worlds.lifecycle.close_all`
+(the test session's end, interpreter exit), to which the first crew hands it.
 """
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import os
 import queue
@@ -22,7 +22,7 @@ import torch.distributed as dist
 import dstest.trace as _trace
 from dstest.context import RankContext
 from dstest.errors import InvalidArgument
-from dstest.worlds import torch_internals
+from dstest.worlds import lifecycle, torch_internals
 from dstest.worlds.request import RunRequest
 from dstest.worlds.stopping import reap
 from dstest.worlds.threaded import ranks
@@ -191,6 +191,7 @@ class Crews:
         for old in evicted:
             old.close(grace=0.5)
         if crew is None:
+            lifecycle.keep("threaded crews", shutdown_all)  # stopped at the session's end, whoever made it
             crew = WarmCrew(world_size, device)
             with self.lock:
                 self.crews[key] = crew
@@ -220,13 +221,10 @@ CREWS = Crews()
 
 
 def shutdown_all() -> None:
-    """Stop every warm crew of this process (the plugin calls this when the test rendezvous ends)."""
+    """Stop every warm crew of this process (``ThreadedWorld.close()``; the session's end, interpreter exit)."""
     CREWS.shutdown()
 
 
 def kept_warm_threads() -> int:
     """How many warm rank threads this process keeps now (at most :func:`warm_thread_cap`)."""
     return CREWS.kept_threads()
-
-
-atexit.register(shutdown_all)

@@ -34,9 +34,10 @@ import torch
 import dstest.trace as _trace
 from dstest.context import RankContext
 from dstest.worlds import torch_internals
+from dstest.worlds.protocol import Capabilities
 from dstest.worlds.request import RunRequest
 from dstest.worlds.stopping import reap
-from dstest.worlds.threaded.crews import CREWS
+from dstest.worlds.threaded.crews import CREWS, shutdown_all
 from dstest.worlds.threaded.failures import Outcome
 from dstest.worlds.threaded.group import rank_process_group, register_backend
 from dstest.worlds.threaded.ranks import (
@@ -77,6 +78,8 @@ class ThreadedWorld:
     """
 
     name = "threaded"
+    #: Rank threads share one process's modules: there is no other process's state to compare with.
+    capabilities = Capabilities(faults=True, hazards=True, strict_shapes=True)
 
     def __init__(self, device: str = "cpu", *, grace: float = 2.0, warm: bool = False) -> None:
         self.device = device
@@ -97,8 +100,12 @@ class ThreadedWorld:
         not (:func:`thread_shared_in_last_run`); empty when nothing was seen."""
         return thread_shared_in_last_run()
 
+    def close(self) -> None:
+        """Stop the warm crews of this process (every device's: they are the process's, not this object's)."""
+        shutdown_all()
+
     def run(self, request: RunRequest) -> list[Any]:
-        request.refuse_watch(self.name)
+        self.capabilities.refuse(request, self.name)
         forget_last_run()
         with _trace.world_run(self.name, request.world_size, request.recorder) as recorder:
             return self._run(request, recorder)
