@@ -112,11 +112,9 @@ class P2PWait(Waitable):
         self, session: Any, global_rank: int, kind: str, tensor: torch.Tensor, peer: int, where: str, tag: int
     ) -> None:
         super().__init__(session, global_rank)
-        self.where = where
-        self.kind = kind
-        self.tensor = tensor
+        self.where, self.kind, self.tag = where, kind, tag
+        self.tensor = tensor  # the rank's buffer (async hazards put a private one here until the wait)
         self.peer = peer
-        self.tag = tag
 
     def describe(self) -> str:
         return matching.p2p_describe(self.kind, self.tensor, self.peer, self.tag, self.where)
