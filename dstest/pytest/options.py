@@ -175,18 +175,31 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="give tests that carry neither the cpu nor the gpu marker this one, so -m cpu keeps them",
     )
     _add_observation_options(group)
-    parser.addini(
-        INI_UNCHECKED,
-        type="bool",
-        default=False,
-        help="the ini form of --dstest-unchecked (torch's process-based test bases on torch's own gloo groups)",
-    )
+    _add_compat_options(group, parser)
     parser.addini(
         INI_DESELECT_SOAK,
         type="bool",
         default=False,
         help="dstest: deselect items marked soak unless -m names soak (default false: a project's own soak "
         "marker is left alone)",
+    )
+
+
+def _add_compat_options(group: Any, parser: pytest.Parser) -> None:
+    """Options of the plugins that run other projects' suites (``-p dstest.compat.torch``)."""
+    group.addoption(
+        OPT_UNCHECKED,
+        action="store_true",
+        default=False,
+        help=f"with -p dstest.compat.torch: the gloo groups tests on torch's process-based bases form are torch's "
+        "own, as upstream (no check of collectives across ranks, no deadlock report naming each rank's call); by "
+        f"default they are dstest's checked groups. The ini setting {INI_UNCHECKED} = true does the same",
+    )
+    parser.addini(
+        INI_UNCHECKED,
+        type="bool",
+        default=False,
+        help="the ini form of --dstest-unchecked (torch's process-based test bases on torch's own gloo groups)",
     )
 
 
@@ -236,14 +249,6 @@ def _add_observation_options(group: Any) -> None:
         default=False,
         help="also refuse collectives and transfers whose ranks' buffers differ only in shape (by default, "
         "as on gloo and NCCL, element counts and dtypes must match)",
-    )
-    group.addoption(
-        OPT_UNCHECKED,
-        action="store_true",
-        default=False,
-        help=f"with -p dstest.compat.torch: the gloo groups tests on torch's process-based bases form are torch's "
-        "own, as upstream (no check of collectives across ranks, no deadlock report naming each rank's call); by "
-        f"default they are dstest's checked groups. The ini setting {INI_UNCHECKED} = true does the same",
     )
     group.addoption(
         OPT_THREADS_ALONE,
