@@ -120,7 +120,18 @@ def ddp_step(ctx):
     return [round(x, 5) for x in model.module.weight.grad.flatten().tolist()]
 
 
+def compiled(ctx):
+    """A collective inside a function ``torch.compile`` traces (dynamo breaks the graph at it)."""
+
+    def step(t):
+        dist.all_reduce(t)
+        return t * 2
+
+    return torch.compile(step, backend="eager")(torch.ones(3) * (ctx.rank + 1)).tolist()
+
+
 BODIES = {
+    "compiled": compiled,
     "every_method": every_method,
     "redistribute": redistribute,
     "tensor_parallel": tensor_parallel,
@@ -154,9 +165,11 @@ def _own_gloo(name, world_size, checked):
     return dstest.run(counted_on_own_gloo, world_size, world="process", args=(name, path, checked))
 
 
+CASES = [(name, w) for name in sorted(BODIES) for w in (2, 3) if name != "compiled" or w == 2]
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
-@pytest.mark.parametrize("name", sorted(BODIES))
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize(("name", "world_size"), CASES)
 def test_comm_debug_mode_counts_on_dstest_groups_equal_gloos(name, world_size):
     gloo = _own_gloo(name, world_size, checked=False)
     assert {kind for _, _, kind in gloo} == {"ProcessGroup"}  # torch's own gloo group
