@@ -743,3 +743,45 @@ def test_deepspeed_module_state_a_test_leaves_is_put_back_and_named(pytester: py
             "deepspeed.SEEN: its list changed in place; contents put back*",
         ]
     )
+
+
+DESYNC = """
+    import torch
+    import torch.distributed as dist
+    from unit.common import DistributedTest
+
+
+    class TestDesync(DistributedTest):
+        world_size = 2
+
+        def test_sizes_differ(self):
+            dist.all_reduce(torch.ones(2))
+            dist.all_reduce(torch.ones(3 + dist.get_rank()))
+"""
+
+
+def test_a_failing_test_writes_its_trace_and_dumps_as_a_spec_does(pytester: pytest.Pytester) -> None:
+    """G1, G6 on DeepSpeed's suites: a failing test's trace goes to pytest's cache, and with
+    --dstest-flight-recorder DIR its run's dumps to DIR/<test id>/run-1, which the plugin's report of the
+    failure names, with each rank's last calls, as a spec's report does."""
+    import pickle
+
+    from dstest.trace import FR_PREFIX
+
+    _suite(pytester, DESYNC)
+    result, verdicts = _run(pytester, "--dstest-flight-recorder=fr")
+    out = result.stdout.str()
+    assert verdicts == {"test_sizes_differ": "failed"}, out[-6000:]
+    assert "CollectiveMismatch" in out and "last calls of each rank" in out, out[-6000:]
+    (trace,) = (pytester.path / ".pytest_cache" / "d" / "dstest-traces").iterdir()
+    assert trace.name.startswith("test_suite.py_TestDesync_test_sizes_differ-") and trace.suffix == ".json"
+    assert '"all_reduce"' in trace.read_text()
+    (folder,) = (pytester.path / "fr").iterdir()
+    assert folder.name == trace.stem, (folder.name, trace.name)
+    for rank in (0, 1):
+        with open(folder / "run-1" / f"{FR_PREFIX}{rank}", "rb") as f:
+            sizes = [e["input_sizes"] for e in pickle.load(f)["entries"]]
+        assert sizes == [[[2]], [[3 + rank]]], (rank, sizes)
+    result.stdout.fnmatch_lines(
+        [f"*flight-recorder dumps of this run: fr/{folder.name}/run-1 (read them with: python -m *{FR_PREFIX})"]
+    )

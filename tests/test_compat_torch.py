@@ -17,6 +17,7 @@ import re
 import tempfile
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _junit import run_with_outcomes
@@ -624,3 +625,164 @@ def test_a_base_without_the_steps_it_adapts_to_is_refused_with_the_class_and_tor
         pytest.UsageError, match=rf"Odd.*torch {re.escape(torch.__version__)}.*_start_processes\(self, proc\)"
     ):
         adapt_process_base(TorchState(), Odd)
+
+
+# -- traces and flight-recorder dumps (contracts G1, G6; issue 43 item 4) ------------------------------------
+TRACED_SUITE = """
+import torch
+import torch.distributed as dist
+from torch.testing._internal.common_distributed import (
+    MultiProcContinuousTest, MultiProcessTestCase, MultiThreadedTestCase,
+)
+from torch.testing._internal.distributed._tensor.common_dtensor import DTensorTestBase, with_comms
+
+
+class Comms(DTensorTestBase):
+    @property
+    def world_size(self):
+        return 2
+
+    @with_comms
+    def test_comms_passes(self):
+        dist.all_reduce(torch.ones(3))
+
+
+class Desync(MultiProcessTestCase):
+    @property
+    def world_size(self):
+        return 2
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    def test_desync_sizes_differ(self):
+        dist.init_process_group("gloo", init_method=f"file://{self.file_name}", rank=self.rank, world_size=2)
+        dist.all_reduce(torch.ones(2))
+        dist.all_reduce(torch.ones(3 + self.rank))
+
+
+class Threads(MultiThreadedTestCase):
+    @property
+    def world_size(self):
+        return 2
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_threads()
+
+    def test_threads_pass(self):
+        dist.all_reduce(torch.ones(3))
+
+    def test_threads_sizes_differ(self):
+        dist.all_reduce(torch.ones(2))
+        dist.all_reduce(torch.ones(3 + self.rank))
+
+
+class Continuous(MultiProcContinuousTest):
+    world_size = 2
+
+    @classmethod
+    def backend_str(cls):
+        return "gloo"
+
+    def test_a_passes(self):
+        dist.all_reduce(torch.ones(3))
+
+    def test_b_sizes_differ(self):
+        dist.all_reduce(torch.ones(2))
+        dist.all_reduce(torch.ones(3 + self.rank))
+"""
+
+#: The tests of TRACED_SUITE as their file names begin (the test id made readable), by verdict.
+_TRACED_PASS = ("Comms_test_comms_passes", "Threads_test_threads_pass", "Continuous_test_a_passes")
+_TRACED_FAIL = (
+    "Desync_test_desync_sizes_differ",
+    "Threads_test_threads_sizes_differ",
+    "Continuous_test_b_sizes_differ",
+)
+_DIGEST = "-" + "[0-9a-f]" * 10  # the digest of the whole id that ends every such name
+
+
+def _all_reduces(events: list[dict[str, Any]], rank: int) -> list[Any]:
+    """The shapes of the all_reduces a rank's track shows, in order."""
+    return [
+        ev["args"]["shapes"] for ev in events if ev["ph"] == "X" and ev["tid"] == rank and ev["name"] == "all_reduce"
+    ]
+
+
+def test_torch_bases_write_a_trace_and_dumps_of_every_run_as_specs_do(pytester: pytest.Pytester) -> None:
+    """G1, G6 on torch's bases: with --dstest-trace every world run of a test on DTensorTestBase,
+    MultiProcessTestCase, MultiThreadedTestCase and MultiProcContinuousTest writes DIR/<test id>.json
+    (Chrome-trace JSON naming each rank's collectives, with their shapes) and its flight-recorder dumps
+    DIR/<test id>.fr/run-1, passing or failing; a failing test's report names its dumps as a spec's does."""
+    import json
+
+    from test_trace import check_chrome_trace
+
+    from dstest.trace import FR_PREFIX
+
+    pytester.makepyfile(test_traced=TRACED_SUITE)
+    result, verdicts = _run(pytester, "-p", "no:randomly", "--dstest-trace=traces")
+    out = result.stdout.str()
+    assert verdicts == {
+        "test_comms_passes": "passed", "test_threads_pass": "passed", "test_a_passes": "passed",
+        "test_desync_sizes_differ": "failure", "test_threads_sizes_differ": "failure", "test_b_sizes_differ": "failure",
+    }, out[-6000:]  # fmt: skip
+    traces = pytester.path / "traces"
+    for name in (*_TRACED_PASS, *_TRACED_FAIL):
+        (trace,) = traces.glob(f"test_traced.py_{name}{_DIGEST}.json")
+        text = trace.read_text()
+        events = check_chrome_trace(json.loads(text))
+        assert "test_traced.py::" + name.replace("_test", "::test", 1) in text, name  # the run's label
+        for rank in (0, 1):
+            expected = [[[3]]] if name in _TRACED_PASS else [[[2]], [[3 + rank]]]
+            assert _all_reduces(events, rank) == expected, (name, rank, events)
+        dumps = traces / (trace.name[: -len(".json")] + ".fr") / "run-1"
+        assert sorted(os.listdir(dumps)) == [f"{FR_PREFIX}0", f"{FR_PREFIX}1"], name
+    for name in _TRACED_FAIL:  # the failure report itself names the dumps of its run, and each rank's last calls
+        result.stdout.fnmatch_lines([f"*flight-recorder dumps of this run: traces/test_traced.py_{name}-*.fr/run-1*"])
+    assert out.count("last calls of each rank") >= len(_TRACED_FAIL), out[-6000:]
+
+
+def test_a_failing_torch_bases_test_leaves_its_trace_in_the_cache_and_names_its_dumps(
+    pytester: pytest.Pytester,
+) -> None:
+    """G1, G6 on torch's bases: without --dstest-trace a failing test's trace goes to pytest's cache (a
+    passing one's nowhere), as a spec's does, though the bases report a failure through unittest's result
+    rather than by raising; with --dstest-flight-recorder DIR each failing run writes its dumps to
+    DIR/<test id>/run-1, which its failure report names, and a passing one writes none."""
+    import pickle
+
+    from dstest.trace import FR_PREFIX
+
+    pytester.makepyfile(test_traced=TRACED_SUITE)
+    result, outcomes = run_with_outcomes(
+        pytester, "-p", "dstest.compat.torch", "-p", "no:randomly", "--dstest-flight-recorder=fr"
+    )
+    out = result.stdout.str()
+    assert {k: v[0] if v else "passed" for k, v in outcomes.items()} == {
+        "test_comms_passes": "passed", "test_threads_pass": "passed", "test_a_passes": "passed",
+        "test_desync_sizes_differ": "failure", "test_threads_sizes_differ": "failure", "test_b_sizes_differ": "failure",
+    }, out[-6000:]  # fmt: skip
+    cached = pytester.path / ".pytest_cache" / "d" / "dstest-traces"
+    assert cached.is_dir(), out[-6000:]
+    for name in _TRACED_FAIL:  # the failure report's "dstest trace" section names the file
+        assert len(list(cached.glob(f"test_traced.py_{name}{_DIGEST}.json"))) == 1, (name, sorted(cached.iterdir()))
+        result.stdout.fnmatch_lines([f"*dstest-traces/test_traced.py_{name}-*.json (open in https://ui.perfetto.dev*"])
+    assert len(list(cached.iterdir())) == len(_TRACED_FAIL), sorted(cached.iterdir())
+    fr = pytester.path / "fr"
+    assert len(list(fr.iterdir())) == len(_TRACED_FAIL), sorted(fr.iterdir())
+    for name in _TRACED_FAIL:
+        (folder,) = fr.glob(f"test_traced.py_{name}{_DIGEST}")
+        dumps = folder / "run-1"
+        sizes = {}
+        for rank in (0, 1):
+            with open(dumps / f"{FR_PREFIX}{rank}", "rb") as f:
+                sizes[rank] = [
+                    e["input_sizes"] for e in pickle.load(f)["entries"] if "all_reduce" in e["profiling_name"]
+                ]
+        assert sizes == {0: [[[2]], [[3]]], 1: [[[2]], [[4]]]}, (name, sizes)
+        result.stdout.fnmatch_lines(
+            [f"*flight-recorder dumps of this run: fr/{folder.name}/run-1 (read them with: python -m *{FR_PREFIX})"]
+        )

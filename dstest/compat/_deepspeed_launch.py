@@ -232,9 +232,14 @@ def _run_warm(state: LaunchState, test: Any, nodeid: str, procs: int) -> None:
 
 
 def _failure_text(nodeid: str, exc: BaseException) -> str:
+    """The report of a failed launch: its first line and each rank's traceback, then what the run's report
+    adds (each rank's last calls, where its flight-recorder dumps went), as a spec's report ends."""
+    from dstest.trace import run_notes
+
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         parts = [f"---- rank {r} ----\n{tb}" for r, tb in sorted(failures.items())]
         head = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return f"{nodeid}: {head}\n" + "\n".join(parts)
+        notes = run_notes(exc)
+        return f"{nodeid}: {head}\n" + "\n".join(parts) + (f"\n{notes}" if notes else "")
     return f"{nodeid}: {type(exc).__name__}: {exc}"

@@ -130,14 +130,17 @@ class _ClassRun:
 
 def _failure_answer(exc: Any, aborted: type) -> RuntimeError:
     """Every rank's answer to a failed test: the ranks that raised first (upstream's "Exception in worker
-    process"), then the ranks stopped because of them, with their stacks."""
+    process"), then the ranks stopped because of them, with their stacks, then what the run's failure report
+    adds (each rank's last calls, where its flight-recorder dumps went)."""
+    from dstest.trace import run_notes
+
     stopped = sorted(r for r, e in exc.exceptions.items() if isinstance(e, aborted))
     failed = [r for r in sorted(exc.failures) if r not in stopped]
     text = "".join(f"Exception in worker process (rank {r}):\n{exc.failures[r]}\n" for r in failed)
     if stopped:
         text += f"ranks {stopped} were stopped after another rank's failure:\n"
         text += "".join(f"---- rank {r} ----\n{exc.failures.get(r, '')}\n" for r in stopped)
-    return RuntimeError(text)
+    return RuntimeError(text + run_notes(exc))
 
 
 def _answer(kind: str, text: str) -> Any:

@@ -196,9 +196,11 @@ def _run_warm(state: TorchState, test: Any, fn: Callable[..., Any], join: Callab
 def _codes_of_failure(exc: Any, world_size: int, error_code: int) -> tuple[list[int | None], dict[int, str]]:
     """Exit codes and error texts from a failed run: a rank that raised in the test exited with the base's
     error code and sent its traceback; a rank stopped because of it (or that failed in dstest's own code)
-    never exited."""
+    never exited. What the run's failure report adds (each rank's last calls, where its flight-recorder dumps
+    went) ends the last text, so upstream's report ends with it."""
     from dstest.compat._torch_rank import TestError
     from dstest.errors import WorldAborted
+    from dstest.trace import run_notes
 
     codes: list[int | None] = [None] * world_size
     errors: dict[int, str] = {}
@@ -217,6 +219,10 @@ def _codes_of_failure(exc: Any, world_size: int, error_code: int) -> tuple[list[
         notes = "".join(f"\n---- rank {r} (stopped) ----\n{exc.failures.get(r, '')}" for r in stopped)
         first = min(errors)
         errors[first] = errors[first] + f"\n(dstest: ranks {stopped} were stopped after the failure){notes}"
+    calls_and_dumps = run_notes(exc)
+    if calls_and_dumps:  # upstream's report lists the ranks in order: the last one's text ends it
+        last = max(errors)
+        errors[last] = f"{errors[last].rstrip()}\n{calls_and_dumps}"
     return codes, errors
 
 

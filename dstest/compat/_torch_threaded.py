@@ -129,16 +129,32 @@ def _run_on_threaded_world(state: TorchState, plan: _ThreadPlan, fn: Callable[..
     timeout = bases_default_timeout()
     outcomes: dict[int, Any] = {}
     failed: list[tuple[int, Any]] = []
+    run_failure: RankFailure | None = None
     try:
         request = RunRequest(
             _rank, plan.world_size, args=(plan, outcomes), timeout=timeout, strict_shapes=state.strict_shapes
         )
         ThreadedWorld(warm=True).run(request)
     except RankFailure as exc:
+        run_failure = exc
         for rank, raised in sorted(exc.exceptions.items()):
             if not isinstance(raised, WorldAborted):
                 failed.append((rank, (type(raised), raised, raised.__traceback__)))
         if not failed:
             raise
     failed.extend(sorted(outcomes.items(), key=lambda kv: kv[0]))
-    plan.cls._check_return_codes(failed, timeout, fn)  # type: ignore[attr-defined]
+    try:
+        plan.cls._check_return_codes(failed, timeout, fn)  # type: ignore[attr-defined]
+    except RuntimeError as err:  # upstream's report of the ranks' exceptions
+        _end_with_run_notes(err, run_failure)
+        raise
+
+
+def _end_with_run_notes(err: RuntimeError, run_failure: BaseException | None) -> None:
+    """Upstream's report of a failed run ends with what dstest's report of the run adds (each rank's last
+    calls, where its flight-recorder dumps went), as a spec's report does."""
+    from dstest.trace import run_notes
+
+    notes = run_notes(run_failure) if run_failure is not None else ""
+    if notes and err.args and isinstance(err.args[0], str):
+        err.args = (f"{err.args[0].rstrip()}\n{notes}", *err.args[1:])

@@ -58,6 +58,8 @@ _MARKERS = {
 
 _owns_pools_key = pytest.StashKey[bool]()
 _third_party_key = pytest.StashKey[bool]()
+#: The runs of a test whose outcome its call did not show (a unittest TestCase's), for its report to judge.
+_unjudged_runs_key = pytest.StashKey[Any]()
 # Sessions configured in this process and not yet unconfigured: pytester's in-process runs nest a session
 # inside the outer one, and only the outermost may stop the worlds' pools and crews.
 _active_sessions: list[pytest.Config] = []
@@ -234,7 +236,20 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
             failed = not isinstance(exc, (pytest.skip.Exception, pytest.xfail.Exception))
             raise
         finally:
-            _write_trace(item, rec, failed)
+            if failed or trace_dir is not None:
+                _add_trace_section(item, _write_trace(item, rec, failed))
+            elif rec.runs:  # a unittest TestCase's failure raises nothing here: its report tells (makereport)
+                item.stash[_unjudged_runs_key] = rec
+
+
+def _add_trace_section(item: pytest.Item, text: str | None, report: pytest.TestReport | None = None) -> None:
+    """The "dstest trace" section of the test's report (on ``report`` once it is made)."""
+    if text is None:
+        return
+    if report is None:
+        item.add_report_section("call", "dstest trace", text)
+    else:
+        report.sections.append(("Captured dstest trace call", text))
 
 
 def _file_name(item: pytest.Item) -> str:
@@ -256,16 +271,17 @@ def _file_name(item: pytest.Item) -> str:
     return f"{readable}-{digest}"  # at most 200 characters, before ``.json`` or ``.fr``
 
 
-def _write_trace(item: pytest.Item, rec: Any, failed: bool) -> None:
+def _write_trace(item: pytest.Item, rec: Any, failed: bool) -> str | None:
+    """Write the test's trace (and with ``--dstest-trace`` its runs' dumps); the lines naming them, or None."""
     import os
 
     if not rec.runs:
-        return
+        return None
     folder = item.config.getoption(OPT_TRACE)
     if folder is None:
         cache = getattr(item.config, "cache", None)
         if not failed or cache is None:
-            return
+            return None
         folder = str(cache.mkdir("dstest-traces"))
     for run in rec.runs:
         run.label = run.label or item.nodeid
@@ -278,16 +294,23 @@ def _write_trace(item: pytest.Item, rec: Any, failed: bool) -> None:
             dumps = os.path.join(folder, f"{_file_name(item)}.fr", f"run-{n}")
             write_flight_recorder(dumps, run)
             lines.append(f"{dumps} (flight-recorder dumps; read with: {analyzer_command(dumps)})")
-    item.add_report_section("call", "dstest trace", "\n".join(lines))
+    return "\n".join(lines)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     """A skip inside a spec body is reported at the body's line, not inside dstest (``-rs``); a spec
-    failure of a third-party target is marked as a deviation (:func:`dstest.report.classify`)."""
+    failure of a third-party target is marked as a deviation (:func:`dstest.report.classify`); a failing
+    unittest TestCase (torch's test bases) gets its trace written as a failing spec does, here, where its
+    failure is first known."""
     from dstest.specification import SKIP_LOCATION_ATTR  # light: no torch import
 
     report = yield
+    unjudged = item.stash.get(_unjudged_runs_key, None) if call.when == "call" else None
+    if unjudged is not None:  # pytest's unittest support turned the TestCase's recorded failure into the report
+        del item.stash[_unjudged_runs_key]
+        if report.failed:
+            _add_trace_section(item, _write_trace(item, unjudged, failed=True), report)
     excinfo = call.excinfo
     location = getattr(excinfo.value, SKIP_LOCATION_ATTR, None) if excinfo is not None else None
     if location is not None and report.skipped and isinstance(report.longrepr, tuple):

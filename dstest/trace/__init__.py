@@ -34,7 +34,15 @@ plugin uses it. :mod:`~dstest.trace.records` holds the records, :mod:`~dstest.tr
 from __future__ import annotations
 
 from dstest.trace.flight_recorder import FR_PREFIX, write_flight_recorder
-from dstest.trace.recorder import Recorder, Recording, chrome_trace, recording, world_run, write_chrome_trace
+from dstest.trace.recorder import (
+    Recorder,
+    Recording,
+    chrome_trace,
+    recording,
+    run_notes,
+    world_run,
+    write_chrome_trace,
+)
 from dstest.trace.records import (
     RECORD_LIMIT,
     RING_LIMIT,
@@ -64,6 +72,7 @@ __all__ = [
     "group_label",
     "measure",
     "recording",
+    "run_notes",
     "world_run",
     "write_chrome_trace",
     "write_flight_recorder",

@@ -295,6 +295,10 @@ def world_run(world: str, world_size: int, recorder: Recorder | None = None) -> 
             r.runs.append(rec)
 
 
+#: Where :func:`_annotate` keeps what it added to a failure's message, for :func:`run_notes`.
+_NOTES_ATTR = "_dstest_run_notes"
+
+
 def _annotate(exc: BaseException, rec: Recorder) -> None:
     from dstest.errors import RankFailure, WorkerDied, WorldTimeout
 
@@ -306,6 +310,16 @@ def _annotate(exc: BaseException, rec: Recorder) -> None:
         text = f"{text}\n{dumps}" if text else dumps
     if text and isinstance(exc.args[0], str):
         exc.args = (f"{exc.args[0]}\n{text}", *exc.args[1:])
+        setattr(exc, _NOTES_ATTR, text)
+
+
+def run_notes(exc: BaseException) -> str:
+    """What a failed world run added to its error's message: each rank's last calls and the line naming the
+    run's flight-recorder dumps ("" for an error no run annotated). A harness that reports a failed run in
+    its own words, from each rank's traceback (the compat plugins: torch's bases say "Process 1 exited with
+    error code 10", DeepSpeed's plugin lists the ranks), appends it, so that its report names the dumps and
+    the calls as a spec's does."""
+    return str(getattr(exc, _NOTES_ATTR, ""))
 
 
 def _flight_recorder_dumps(rec: Recorder) -> str:
