@@ -30,7 +30,6 @@ from dstest.pytest.options import (  # light: no torch import
     OPT_FLIGHT_RECORDER,
     OPT_MARK_UNMARKED,
     OPT_SEED,
-    OPT_SPECS,
     OPT_STRICT_SHAPES,
     OPT_TARGET,
     OPT_THREADS_ALONE,
@@ -449,54 +448,16 @@ def _specs_dir() -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's -k deselection, which reads the contract keywords
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _contracts_as_keywords(config, items)
-    _deselect_soak(config, items)
+    from dstest.pytest.selection import contracts_as_keywords, deselect_soak
+
+    contracts_as_keywords(config, items)
+    deselect_soak(config, items)
     mark = config.getoption(OPT_MARK_UNMARKED)
     if mark is None:
         return
     for item in items:
         if item.get_closest_marker("cpu") is None and item.get_closest_marker("gpu") is None:
             item.add_marker(getattr(pytest.mark, mark))
-
-
-def _deselect_soak(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Where the ini opts in (``dstest_deselect_soak = true``), leave ``soak`` items out unless ``-m`` names
-    soak. Off by default: the plugin is active in every session of the environment it is installed in, and
-    a project with its own soak marker must keep its tests."""
-    import re
-
-    if not config.getini(INI_DESELECT_SOAK) or re.search(r"\bsoak\b", config.getoption("markexpr", "") or ""):
-        return
-    soak = [item for item in items if item.get_closest_marker("soak") is not None]
-    if soak:
-        config.hook.pytest_deselected(items=soak)
-        gone = {id(item) for item in soak}
-        items[:] = [item for item in items if id(item) not in gone]
-
-
-def _contracts_as_keywords(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``-k B4`` selects contract B4's specs; ``--dstest-specs=GLOB`` keeps specs by name or contract."""
-    import fnmatch
-
-    from dstest.specification import spec_info
-
-    pattern = config.getoption(OPT_SPECS)
-    dropped = []
-    for item in items:
-        info = spec_info(getattr(item, "function", None))
-        if info is None:
-            continue
-        if info.contract:
-            item.extra_keyword_matches.add(info.contract)
-        name = getattr(item, "originalname", item.name)
-        if pattern is not None and not (
-            fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(info.contract or "", pattern)
-        ):
-            dropped.append(item)
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        gone = {id(item) for item in dropped}
-        items[:] = [item for item in items if id(item) not in gone]
 
 
 def settings(config: pytest.Config) -> Any:
