@@ -35,11 +35,13 @@ from dstest.worlds.torch_internals.dispatched import DispatchedGroup
 __all__ = [
     "BACKEND_NAME",
     "Group",
+    "WorldTables",
     "binding",
     "calling_rank",
     "rank_process_group",
     "register_backend",
     "translate_group",
+    "world_tables",
 ]
 
 BACKEND_NAME = "dstest"
@@ -64,7 +66,7 @@ def _create_group(opts: Any, pg_options: Any) -> dist.ProcessGroup:
             f"the {BACKEND_NAME!r} backend only works inside a dstest world "
             "(dstest.run(fn, world_size, world='threaded') or a @dstest.spec)"
         )
-    ranks = list(opts.global_ranks_in_group) or list(range(session.world_size))
+    ranks = list(opts.global_ranks_in_group) or world_tables(session).ranks
     group = Group(session, opts.group_rank, opts.group_size, ranks, str(opts.group_id))
     register = getattr(session, "register_group", None)
     if register is not None:
@@ -86,6 +88,24 @@ def translate_group(pg: Any) -> Any:
     return None if local is pg else local
 
 
+class WorldTables:
+    """What every rank's default group of one world holds the same: its global ranks and c10d's rank table
+    (global rank -> group rank), built once per world and shared by its ranks (read-only, as each process
+    of a real world holds its own equal copy). Per rank, they were O(W) each: O(W^2) at a world's start."""
+
+    def __init__(self, world_size: int) -> None:
+        self.ranks = list(range(world_size))
+        self.rank_table = {r: r for r in self.ranks}
+
+
+def world_tables(session: Any) -> WorldTables:
+    """The tables of ``session``'s world, made by the first rank that asks (``setdefault`` is atomic)."""
+    tables = session.__dict__.get("_world_tables")
+    if tables is None:
+        tables = session.__dict__.setdefault("_world_tables", WorldTables(session.world_size))
+    return tables  # type: ignore[no-any-return]
+
+
 @contextlib.contextmanager
 def rank_process_group(
     c10d_world: Any, session: Any, rank: int, device: torch.device, timeout: timedelta
@@ -98,8 +118,13 @@ def rank_process_group(
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device.index or 0)
-        torch_internals.init_rank_process_group(
-            backend=BACKEND_NAME, rank=rank, world_size=session.world_size, store=session.store, timeout=timeout
+        torch_internals.form_default_group(
+            backend=BACKEND_NAME,
+            rank=rank,
+            world_size=session.world_size,
+            store=session.store,
+            timeout=timeout,
+            rank_table=world_tables(session).rank_table,
         )
         yield
     finally:

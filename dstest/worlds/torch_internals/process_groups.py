@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ __all__ = [
     "WorkBase",
     "backend_registered",
     "declare_self_recording",
+    "form_default_group",
     "gloo_has_list_all_to_all",
     "hash_store",
     "init_rank_process_group",
@@ -100,6 +102,46 @@ def init_rank_process_group(**kwargs: Any) -> None:
             dist.init_process_group(**kwargs)
         finally:
             sys.excepthook = hook
+
+
+def form_default_group(
+    *, backend: str, rank: int, world_size: int, store: Any, timeout: timedelta, rank_table: dict[int, int]
+) -> None:
+    """What ``dist.init_process_group(backend, rank=, world_size=, store=, timeout=)`` does on one rank thread,
+    with the default group's rank table (global rank -> group rank) given: one table made for the world.
+
+    torch's init_process_group builds that table anew for each call, ``{i: i for i in range(world_size)}``:
+    W rank threads building W entries each was O(W^2) at a world's start (0.78 ms per rank at W=2048, the
+    largest share of a start at thousands of ranks). Every other step is torch's own, in its order: the
+    group's name from the rank's group count, torch's group helper (the backend's group, the tables keyed
+    by group), the default group and global rank set. Left out: the process-wide ``sys.excepthook`` prefix,
+    which one process of rank threads must not stack (so no lock serialises the ranks' starts either), the
+    call logger, and the optional store barrier (``TORCH_DIST_INIT_BARRIER``), which synchronises
+    processes. ``tests/test_default_group_formation.py`` compares the result with init_process_group's
+    under the running torch (torch 2.11-2.15 share this path).
+    """
+    if c10d.GroupMember.WORLD is not None:
+        raise ValueError("trying to initialize the default process group twice!")
+    justknobs = getattr(c10d, "set_pytorch_distributed_envs_from_justknobs", None)
+    if justknobs is not None:
+        justknobs()
+    if "torch._dynamo" in sys.modules:  # torch clears these caches here; distributed rules depend on it
+        torch._dynamo.trace_rules.clear_lru_cache()
+    name = c10d._process_group_name([], use_hashed_name=False)
+    pg, _ = c10d._new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        dist.Backend(backend),
+        c10d.PrefixStore("default_pg", store),
+        name,
+        timeout=timeout,
+        group_desc="default_pg",
+    )
+    c10d._update_default_pg(pg)
+    c10d._world.pg_group_ranks[pg] = rank_table
+    c10d._backend = c10d._world.pg_map[pg][0]  # module globals init_process_group sets (same on every rank)
+    c10d._default_pg_init_method = None
 
 
 _REDUCE_OP_NAMES = {
