@@ -88,7 +88,7 @@ def test_the_same_wrong_program_fails_with_the_same_text_in_both_worlds(fn: Any,
 
 @pytest.mark.parametrize("world", ["threaded", "process"])
 def test_the_size_check_of_all_gather_into_tensor_holds_in_each_world(world: str) -> None:
-    """The check lives once (``_SingleTensorCall._check_scaled``); each world must apply it."""
+    """The check lives once (``SingleTensorCall._check_scaled``); each world must apply it."""
     name, text = _errors(gather_into_wrong_size, world)[1]
     assert name == "InvalidArgument"
     assert text == "all_gather_into_tensor: output has 5 elements, expected group size 2 x input 3 = 6"

@@ -33,7 +33,7 @@ OPT_CROSSCHECK = "--dstest-crosscheck"
 INI_DESELECT_SOAK = "dstest_deselect_soak"
 
 
-def _usage(option: str, value: object, exc: Exception, shown: str) -> pytest.UsageError:
+def usage_error(option: str, value: object, exc: Exception, shown: str) -> pytest.UsageError:
     """An option error in pytest's usage-error form, naming the option, the value and what is allowed.
 
     The shared checks start their message with the Python argument (``shown``, e.g. ``timeout=nan``); on
@@ -59,7 +59,7 @@ def _parse_worlds(value: str) -> tuple[str, ...]:
     return names
 
 
-def _check_worlds(names: tuple[str, ...] | None) -> None:
+def check_worlds(names: tuple[str, ...] | None) -> None:
     from dstest.registry import world_names
 
     known = world_names()

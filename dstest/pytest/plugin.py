@@ -37,9 +37,9 @@ from dstest.pytest.options import (  # light: no torch import
     OPT_TRACE,
     OPT_WORLD_SIZES,
     OPT_WORLDS,
-    _check_worlds,
-    _usage,
+    check_worlds,
     pytest_addoption,
+    usage_error,
 )
 
 __all__ = ["pytest_addoption", "settings"]  # pytest_addoption: the options' hook, defined beside their parsers
@@ -122,7 +122,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.pluginmanager.is_registered(fixtures):
         config.pluginmanager.register(fixtures, "dstest.pytest.fixtures")
     _register_plugins(config)
-    _check_worlds(config.getoption(OPT_WORLDS))
+    check_worlds(config.getoption(OPT_WORLDS))
     # Option values set without the parsers (a conftest's config.option, pytest.main's plugins) are
     # checked here too: every setting reaches the worlds checked.
     values = {
@@ -139,7 +139,7 @@ def pytest_configure(config: pytest.Config) -> None:
     except InvalidArgument as exc:
         key = str(exc).partition("=")[0]
         option, value = values.get(key, (key, None))
-        raise _usage(option, value, exc, f"{key}={value!r}") from None
+        raise usage_error(option, value, exc, f"{key}={value!r}") from None
     _start_lockstep(config)
 
 

@@ -16,14 +16,14 @@ from dstest.trace.records import (
     TIMELINE_RANKS,
     CallRecord,
     RankLog,
-    _dtype_info,
-    _now,
-    _site_text,
-    _size,
     call_site,
     call_stack,
+    dtype_info,
     group_label,
     measure,
+    now_ns,
+    site_text,
+    size_of,
 )
 from dstest.trace.view import CommView
 
@@ -41,7 +41,7 @@ class Recorder:
         #: the referee, keeps 3; the threaded world, whose whole path is ~17 us, keeps none.
         self.callers = callers
         self.label = ""  # what ran (a test id), for the trace's track names
-        self.t0 = _now()
+        self.t0 = now_ns()
         self.t_end: int | None = None
         self.logs: dict[int, RankLog] = {}
         self._lock = threading.Lock()
@@ -83,8 +83,8 @@ class Recorder:
 
     def p2p(self, group: Any, kind: str, tensor: Any, peer: int, tag: int, rank: int) -> CallRecord:
         """Record a send or recv of ``tensor`` to / from global rank ``peer``."""
-        n = _size(tensor)
-        name, itemsize = _dtype_info(tensor.dtype)
+        n = size_of(tensor)
+        name, itemsize = dtype_info(tensor.dtype)
         rec = CallRecord(rank, kind, self._label(group), None, name, (tuple(tensor.shape),), n, n * itemsize)
         rec.peer = peer
         rec.tag = tag
@@ -137,10 +137,10 @@ class Recorder:
                 took = f", {(end - rec.t_post) / 1e6:.3f} ms" if end is not None else ""
                 wait = ""
                 if rec.wait_site is not None and rec.wait_site != rec.site:
-                    wait = f", waited at {_site_text(rec.wait_site)}"
+                    wait = f", waited at {site_text(rec.wait_site)}"
                 lines.append(
                     f"    +{at:9.3f} ms  {rec.describe()}, {rec.nbytes} B{took}: {rec.status()}; "
-                    f"called at {_site_text(rec.site)}{wait}"
+                    f"called at {site_text(rec.site)}{wait}"
                 )
         hidden = len(logs) - len(shown)
         if hidden > 0:
@@ -149,7 +149,7 @@ class Recorder:
 
     def chrome_events(self, pid: int) -> list[dict[str, Any]]:
         """This run as Chrome-trace events: process ``pid``, one thread (track) per rank."""
-        end_of_run = self.t_end or _now()
+        end_of_run = self.t_end or now_ns()
         name = f"{self.world} world, {self.world_size} ranks" + (f": {self.label}" if self.label else "")
         events: list[dict[str, Any]] = [
             {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}},
@@ -168,14 +168,14 @@ class Recorder:
                     "numel": rec.numel,
                     "bytes": rec.nbytes,
                     "status": rec.status(),
-                    "call site": _site_text(rec.site),
+                    "call site": site_text(rec.site),
                 }
                 for key in ("reduce_op", "root", "peer", "tag", "error"):
                     value = getattr(rec, key)
                     if value is not None:
                         args[key] = value
                 if rec.wait_site is not None:
-                    args["wait site"] = _site_text(rec.wait_site)
+                    args["wait site"] = site_text(rec.wait_site)
                 ts = (rec.t_post - self.t0) / 1e3
                 done = rec.t_done if rec.t_done is not None else end_of_run
                 base = {"cat": rec.kind, "pid": pid, "tid": rank, "args": args}
@@ -290,7 +290,7 @@ def world_run(world: str, world_size: int, recorder: Recorder | None = None) -> 
         _annotate(exc, rec)
         raise
     finally:
-        rec.t_end = _now()
+        rec.t_end = now_ns()
         for r in _LOCAL.recordings:
             r.runs.append(rec)
 

@@ -92,7 +92,7 @@ def call_stack(depth: int = 2, limit: int = 4) -> tuple[tuple[str, int, str], ..
     return tuple(found)
 
 
-def _site_text(site: tuple[str, int, str] | None) -> str:
+def site_text(site: tuple[str, int, str] | None) -> str:
     if site is None:
         return "?"
     return f"{os.path.basename(site[0])}:{site[1]} ({site[2]})"
@@ -106,7 +106,7 @@ def _short_path(path: str) -> str:
 
 #: The clock of every record (ns; the system-wide monotonic clock on Linux and macOS); bound directly,
 #: not wrapped, as it is read four times per collective per rank.
-_now = time.perf_counter_ns
+now_ns = time.perf_counter_ns
 
 
 class CallRecord:
@@ -161,7 +161,7 @@ class CallRecord:
         self.root: int | None = None
         self.peer: int | None = None
         self.tag: int | None = None
-        self.t_post = _now()
+        self.t_post = now_ns()
         self.t_done: int | None = None
         self.t_wait: int | None = None
         self.t_waited: int | None = None
@@ -175,21 +175,21 @@ class CallRecord:
     def finished(self, error: BaseException | None) -> None:
         """The call completed (any thread); ``error``: it failed."""
         if self.t_done is None:
-            self.t_done = _now()
+            self.t_done = now_ns()
         if error is not None and self.error is None:
             self.error = f"{type(error).__name__}: {error}".splitlines()[0][:200]
 
     def waiting(self, log: RankLog | None = None) -> None:
         """The rank starts waiting for this call (on its own thread)."""
         if self.t_wait is None:
-            self.t_wait = _now()
+            self.t_wait = now_ns()
             self.sync = log is not None and log.last is self
             # A blocking call waits where it was called; only a later wait needs its own site.
             self.wait_site = self.site if self.sync else call_site(3)
 
     def waited(self) -> None:
         if self.t_waited is None:
-            self.t_waited = _now()
+            self.t_waited = now_ns()
 
     # -- reading -------------------------------------------------------------------------------------
     def issued_at(self) -> str:
@@ -251,7 +251,7 @@ class _Totals:
             row[2] += rec.nbytes
 
 
-class _Window:
+class Window:
     def __init__(self) -> None:
         self.totals = _Totals()
         self.records: list[CallRecord] = []
@@ -266,7 +266,7 @@ class RankLog:
         self.records: deque[CallRecord] = deque(maxlen=limit)
         self.posted = 0
         self.totals = _Totals()
-        self.windows: list[_Window] = []
+        self.windows: list[Window] = []
         self.last: CallRecord | None = None
 
     def add(self, rec: CallRecord) -> None:
@@ -330,7 +330,7 @@ def group_label(group: Any, world_size: int | None = None) -> str:
 _DTYPE_NAMES: dict[Any, tuple[str, int]] = {}
 
 
-def _dtype_info(dtype: Any) -> tuple[str, int]:
+def dtype_info(dtype: Any) -> tuple[str, int]:
     """(name without "torch.", bytes per element) of a torch dtype."""
     known = _DTYPE_NAMES.get(dtype)
     if known is None:
@@ -338,7 +338,7 @@ def _dtype_info(dtype: Any) -> tuple[str, int]:
     return known
 
 
-def _size(t: Any) -> int:
+def size_of(t: Any) -> int:
     return int(t.numel())
 
 
@@ -348,30 +348,30 @@ def measure(call: Any) -> tuple[str, tuple[tuple[int, ...], ...], int, int]:
     shapes: tuple[tuple[int, ...], ...]
     if op in ("all_reduce", "reduce", "broadcast"):
         t = call.tensor
-        shapes, n, dtype = (tuple(t.shape),), _size(t), t.dtype
+        shapes, n, dtype = (tuple(t.shape),), size_of(t), t.dtype
     elif op == "all_gather":
         t = call.inp
-        shapes, n, dtype = (tuple(t.shape),), sum(_size(o) for o in call.outs), t.dtype
+        shapes, n, dtype = (tuple(t.shape),), sum(size_of(o) for o in call.outs), t.dtype
     elif op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
         shapes, dtype = (tuple(call.inp.shape), tuple(call.out.shape)), call.inp.dtype
-        n = _size(call.out) if op == "all_gather_into_tensor" else _size(call.inp)
+        n = size_of(call.out) if op == "all_gather_into_tensor" else size_of(call.inp)
     elif op == "reduce_scatter":
         t = call.out
-        shapes, n, dtype = (tuple(t.shape),), sum(_size(i) for i in call.inps), t.dtype
+        shapes, n, dtype = (tuple(t.shape),), sum(size_of(i) for i in call.inps), t.dtype
     elif op == "all_to_all":
         ins = call.inps
         shapes = tuple(tuple(i.shape) for i in ins)
-        n = sum(_size(i) for i in ins)
+        n = sum(size_of(i) for i in ins)
         dtype = ins[0].dtype if ins else None
     elif op == "all_to_all_single":
-        shapes, n, dtype = (tuple(call.inp.shape), tuple(call.out.shape)), _size(call.inp), call.inp.dtype
+        shapes, n, dtype = (tuple(call.inp.shape), tuple(call.out.shape)), size_of(call.inp), call.inp.dtype
     elif op == "gather":
         t = call.inp
-        shapes, n, dtype = (tuple(t.shape),), _size(t) * call.group_size, t.dtype
+        shapes, n, dtype = (tuple(t.shape),), size_of(t) * call.group_size, t.dtype
     elif op == "scatter":
         t = call.out
-        shapes, n, dtype = (tuple(t.shape),), _size(t) * call.group_size, t.dtype
+        shapes, n, dtype = (tuple(t.shape),), size_of(t) * call.group_size, t.dtype
     else:  # barrier
         return ("", (), 0, 0)
-    name, itemsize = _dtype_info(dtype)
+    name, itemsize = dtype_info(dtype)
     return (name, shapes, n, n * itemsize)

@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from dstest.trace.records import CallRecord, RankLog, _Window, group_label
+from dstest.trace.records import CallRecord, RankLog, Window, group_label
 from dstest.worlds.core.c10d import RECORDED_OPS
 
 
@@ -34,7 +34,7 @@ class CommView:
         dist.all_reduce(t[N])                              ctx.comm.count("all_reduce") == 1
     """
 
-    def __init__(self, log: RankLog, window: _Window | None = None) -> None:
+    def __init__(self, log: RankLog, window: Window | None = None) -> None:
         self._log = log
         self._window = window
 
@@ -97,7 +97,7 @@ class CommView:
     @contextlib.contextmanager
     def window(self) -> Iterator[CommView]:
         """Count only what this rank posts inside the block (the view stays readable afterwards)."""
-        win = _Window()
+        win = Window()
         with self._log.lock:
             self._log.windows.append(win)
         try:

@@ -49,11 +49,11 @@ from dstest.worlds.collectives.base import (
     reduce_into,
     reduce_tensors,
 )
-from dstest.worlds.collectives.base import _check_root as _check_root
-from dstest.worlds.collectives.base import _large as _large
-from dstest.worlds.collectives.base import _outputs_apart as _outputs_apart
-from dstest.worlds.collectives.base import _shapes as _shapes
-from dstest.worlds.collectives.base import _storage as _storage
+from dstest.worlds.collectives.base import check_root as check_root
+from dstest.worlds.collectives.base import is_large as is_large
+from dstest.worlds.collectives.base import outputs_apart as outputs_apart
+from dstest.worlds.collectives.base import shapes_text as shapes_text
+from dstest.worlds.collectives.base import storage_of as storage_of
 from dstest.worlds.collectives.gathering import (
     AllGather,
     AllGatherIntoTensor,

@@ -110,7 +110,7 @@ _STEPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "bxor": lambda out, t: out.bitwise_xor_(t),
 }
 _INTEGRAL_ONLY = frozenset({"band", "bor", "bxor"})
-_REDUCE_OPS = frozenset({*_STEPS, "avg", "premul_sum"})
+REDUCE_OPS = frozenset({*_STEPS, "avg", "premul_sum"})
 
 
 class PremulSum(str):
@@ -129,7 +129,7 @@ class PremulSum(str):
         return (PremulSum, (self.factor,))
 
 
-def _premul(op: str | None, t: torch.Tensor) -> torch.Tensor:
+def premultiplied(op: str | None, t: torch.Tensor) -> torch.Tensor:
     """A rank's operand of a reduction: its input, times its factor under ``premul_sum``."""
     if isinstance(op, PremulSum):
         factor = op.factor.to(t.device) if isinstance(op.factor, torch.Tensor) else op.factor
@@ -139,9 +139,9 @@ def _premul(op: str | None, t: torch.Tensor) -> torch.Tensor:
 
 def check_reduce(op: str, dtype: torch.dtype) -> None:
     """Raise InvalidArgument when reduce op ``op`` cannot reduce tensors of ``dtype``."""
-    if op not in _REDUCE_OPS:
+    if op not in REDUCE_OPS:
         raise InvalidArgument(
-            f"reduce op {op!r} is not supported by the threaded world; allowed: {sorted(_REDUCE_OPS)}"
+            f"reduce op {op!r} is not supported by the threaded world; allowed: {sorted(REDUCE_OPS)}"
         )
     if op in _INTEGRAL_ONLY and (dtype.is_floating_point or dtype.is_complex):
         raise InvalidArgument(f"reduce op {op!r} on dtype={dtype}: only integer and bool tensors allowed")
@@ -190,14 +190,14 @@ def _storage_ptr(t: torch.Tensor) -> int:
     return int(t.data_ptr() - t.storage_offset() * t.element_size())
 
 
-def _storage(t: torch.Tensor) -> int | None:
+def storage_of(t: torch.Tensor) -> int | None:
     try:
         return _storage_ptr(t)
     except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
         return None
 
 
-def _outputs_apart(outs: Sequence[torch.Tensor], inps: Sequence[torch.Tensor]) -> bool:
+def outputs_apart(outs: Sequence[torch.Tensor], inps: Sequence[torch.Tensor]) -> bool:
     """Whether the outputs share storage with no other output and no input (then writing one output
     cannot change anything another rank's result is read from)."""
     try:  # one storage pointer per tensor (sparse and other storage-less layouts raise: not apart)
@@ -209,7 +209,7 @@ def _outputs_apart(outs: Sequence[torch.Tensor], inps: Sequence[torch.Tensor]) -
         return False
 
 
-def _large(t: torch.Tensor) -> bool:
+def is_large(t: torch.Tensor) -> bool:
     return t.numel() * t.element_size() >= IN_PLACE_BYTES
 
 
@@ -295,7 +295,7 @@ class Call:
             bump_versions(c.outputs(), self.version_bumps)
 
 
-def _shapes(ts: Sequence[torch.Tensor]) -> str:
+def shapes_text(ts: Sequence[torch.Tensor]) -> str:
     return "[" + ", ".join(describe_tensor(t) for t in ts) + "]"
 
 
@@ -310,7 +310,7 @@ def copy_flat(dst: torch.Tensor, src: torch.Tensor, *, as_bytes: bool = True) ->
         dst.copy_(src)
 
 
-def _check_root(call: Call) -> None:
+def check_root(call: Call) -> None:
     assert call.root is not None
     if not 0 <= call.root < call.group_size:
         raise InvalidArgument(
@@ -318,7 +318,7 @@ def _check_root(call: Call) -> None:
         )
 
 
-class _SingleTensorCall(Call):
+class SingleTensorCall(Call):
     """A collective over one input and one output tensor, one of them group-size times the other."""
 
     def __init__(self, group_rank: int, group_size: int, out: torch.Tensor, inp: torch.Tensor) -> None:

@@ -15,15 +15,15 @@ import torch
 from dstest.errors import InvalidArgument
 from dstest.worlds.collectives.base import (
     Call,
-    _check_root,
-    _large,
-    _shapes,
-    _SingleTensorCall,
-    _storage,
+    SingleTensorCall,
+    check_root,
     copy_flat,
     copy_tensors,
     describe_tensor,
     flat_view,
+    is_large,
+    shapes_text,
+    storage_of,
 )
 from dstest.worlds.core.matching import signature as _sig
 
@@ -57,7 +57,7 @@ class AllGather(_IntoList):
         self.inp = inp
 
     def details(self) -> str:
-        return f"in={describe_tensor(self.inp)}, out={_shapes(self.outs)}"
+        return f"in={describe_tensor(self.inp)}, out={shapes_text(self.outs)}"
 
     def check_local(self) -> None:
         if len(self.outs) != self.group_size:
@@ -84,7 +84,7 @@ class AllGather(_IntoList):
         return None
 
 
-class AllGatherIntoTensor(_SingleTensorCall):
+class AllGatherIntoTensor(SingleTensorCall):
     op = "all_gather_into_tensor"
     version_bumps = 1  # per chunk: gloo copies from a staging buffer into each rank's chunk of the output
 
@@ -104,7 +104,7 @@ class AllGatherIntoTensor(_SingleTensorCall):
     def deliver(self, calls: Sequence[Call]) -> dict[int, BaseException]:
         outs: list[torch.Tensor] = [c.out for c in calls]  # type: ignore[attr-defined]
         inps: list[torch.Tensor] = [c.inp.detach() for c in calls]  # type: ignore[attr-defined]
-        inside = self._inputs_in_own_output(outs, inps) if _large(self.inp) else None
+        inside = self._inputs_in_own_output(outs, inps) if is_large(self.inp) else None
         if inside is None:
             return super().deliver(calls)
         n = self.inp.numel()
@@ -123,12 +123,12 @@ class AllGatherIntoTensor(_SingleTensorCall):
         """The ranks whose input is their own output's chunk (FSDP's in-place all-gather), or None when
         reading inputs in place is unsafe (an input inside another rank's output, or outputs that share
         storage or are not contiguous)."""
-        stores = [_storage(o) for o in outs]
+        stores = [storage_of(o) for o in outs]
         if None in stores or len(set(stores)) != len(stores) or not all(o.is_contiguous() for o in outs):
             return None
         inside: set[int] = set()
         for i, inp in enumerate(inps):
-            s = _storage(inp)
+            s = storage_of(inp)
             if s is None:
                 return None
             if s in stores:
@@ -151,7 +151,7 @@ class AllToAll(Call):
         self.inps = list(inps)
 
     def details(self) -> str:
-        return f"in={_shapes(self.inps)}, out={_shapes(self.outs)}"
+        return f"in={shapes_text(self.inps)}, out={shapes_text(self.outs)}"
 
     def check_local(self) -> None:
         if len(self.outs) != self.group_size or len(self.inps) != self.group_size:
@@ -262,10 +262,10 @@ class Gather(_IntoList):
         self.root = root
 
     def details(self) -> str:
-        return f"in={describe_tensor(self.inp)}" + (f", out={_shapes(self.outs)}" if self.outs else "")
+        return f"in={describe_tensor(self.inp)}" + (f", out={shapes_text(self.outs)}" if self.outs else "")
 
     def check_local(self) -> None:
-        _check_root(self)
+        check_root(self)
         if self.group_rank == self.root and len(self.outs) != self.group_size:
             raise InvalidArgument(
                 f"gather: gather_list on the root has {len(self.outs)} tensors, the group has {self.group_size} ranks"
@@ -289,10 +289,10 @@ class Scatter(Call):
         self.root = root
 
     def details(self) -> str:
-        return f"out={describe_tensor(self.out)}" + (f", in={_shapes(self.inps)}" if self.inps else "")
+        return f"out={describe_tensor(self.out)}" + (f", in={shapes_text(self.inps)}" if self.inps else "")
 
     def check_local(self) -> None:
-        _check_root(self)
+        check_root(self)
         if self.group_rank == self.root:
             if len(self.inps) != self.group_size:
                 raise InvalidArgument(

@@ -13,20 +13,20 @@ import torch
 
 from dstest.errors import InvalidArgument
 from dstest.worlds.collectives.base import (
-    _REDUCE_OPS,
+    REDUCE_OPS,
     Call,
-    _check_root,
-    _large,
-    _outputs_apart,
-    _premul,
-    _shapes,
-    _SingleTensorCall,
+    SingleTensorCall,
     check_reduce,
+    check_root,
     copy_flat,
     describe_tensor,
     flat_view,
+    is_large,
+    outputs_apart,
+    premultiplied,
     reduce_into,
     reduce_tensors,
+    shapes_text,
 )
 from dstest.worlds.core.matching import signature as _sig
 
@@ -43,21 +43,21 @@ class AllReduce(Call):
         return describe_tensor(self.tensor)
 
     def check_local(self) -> None:
-        if self.reduce_op not in _REDUCE_OPS:
-            raise InvalidArgument(f"all_reduce op={self.reduce_op!r}; allowed: {sorted(_REDUCE_OPS)}")
+        if self.reduce_op not in REDUCE_OPS:
+            raise InvalidArgument(f"all_reduce op={self.reduce_op!r}; allowed: {sorted(REDUCE_OPS)}")
 
     def key(self) -> tuple[Any, ...]:
         return (*super().key(), self.sig(self.tensor))
 
     def combine(self, calls: Sequence[Call]) -> list[Any]:
         assert self.reduce_op is not None
-        result = reduce_tensors(self.reduce_op, [_premul(c.reduce_op, c.tensor) for c in calls])  # type: ignore[attr-defined]
+        result = reduce_tensors(self.reduce_op, [premultiplied(c.reduce_op, c.tensor) for c in calls])  # type: ignore[attr-defined]
         return [result] * len(calls)
 
     def deliver(self, calls: Sequence[Call]) -> dict[int, BaseException]:
         ts: list[torch.Tensor] = [c.tensor for c in calls]  # type: ignore[attr-defined]
         first = ts[0]
-        if self.reduce_op == "premul_sum" or not (first.is_contiguous() and _outputs_apart(ts, ())):
+        if self.reduce_op == "premul_sum" or not (first.is_contiguous() and outputs_apart(ts, ())):
             return super().deliver(calls)
         # In place at every size (the aliasing check costs less than the staging copy; a group of one
         # rank then moves nothing): fold into rank 0's tensor, whose own input is the first operand, then
@@ -87,7 +87,7 @@ class Reduce(AllReduce):
 
     def check_local(self) -> None:
         super().check_local()
-        _check_root(self)
+        check_root(self)
 
     # Only the root's tensor may change, and the fold starts from rank 0's input: staged.
     deliver = Call.deliver
@@ -109,7 +109,7 @@ class Broadcast(Call):
         return describe_tensor(self.tensor)
 
     def check_local(self) -> None:
-        _check_root(self)
+        check_root(self)
 
     def key(self) -> tuple[Any, ...]:
         return (*super().key(), self.sig(self.tensor))
@@ -123,7 +123,7 @@ class Broadcast(Call):
         assert self.root is not None
         src: torch.Tensor = calls[self.root].tensor  # type: ignore[attr-defined]
         others = [c for c in calls if c.group_rank != self.root]
-        if not _outputs_apart([c.tensor for c in others], [src]):  # type: ignore[attr-defined]
+        if not outputs_apart([c.tensor for c in others], [src]):  # type: ignore[attr-defined]
             return super().deliver(calls)
         failed: dict[int, BaseException] = {}
         for c in others:  # straight from the root's tensor: no staging copy
@@ -154,7 +154,7 @@ class ReduceScatter(Call):
         self.reduce_op = reduce_op
 
     def details(self) -> str:
-        return f"in={_shapes(self.inps)}, out={describe_tensor(self.out)}"
+        return f"in={shapes_text(self.inps)}, out={describe_tensor(self.out)}"
 
     def check_local(self) -> None:
         if len(self.inps) != self.group_size:
@@ -174,7 +174,7 @@ class ReduceScatter(Call):
     def combine(self, calls: Sequence[Call]) -> list[Any]:
         assert self.reduce_op is not None
         return [
-            reduce_tensors(self.reduce_op, [_premul(c.reduce_op, c.inps[j]) for c in calls])  # type: ignore[attr-defined]
+            reduce_tensors(self.reduce_op, [premultiplied(c.reduce_op, c.inps[j]) for c in calls])  # type: ignore[attr-defined]
             for j in range(len(calls))
         ]
 
@@ -185,7 +185,7 @@ class ReduceScatter(Call):
         return [self.out]
 
 
-class ReduceScatterTensor(_SingleTensorCall):
+class ReduceScatterTensor(SingleTensorCall):
     op = "reduce_scatter_tensor"
     version_bumps = 1  # as the list form
 
@@ -199,7 +199,7 @@ class ReduceScatterTensor(_SingleTensorCall):
     def combine(self, calls: Sequence[Call]) -> list[Any]:
         assert self.reduce_op is not None
         n = self.out.numel()
-        flat = reduce_tensors(self.reduce_op, [_premul(c.reduce_op, flat_view(c.inp)) for c in calls])  # type: ignore[attr-defined]
+        flat = reduce_tensors(self.reduce_op, [premultiplied(c.reduce_op, flat_view(c.inp)) for c in calls])  # type: ignore[attr-defined]
         return [flat[j * n : (j + 1) * n] for j in range(len(calls))]
 
     def finish(self, source: Any) -> None:
@@ -211,7 +211,7 @@ class ReduceScatterTensor(_SingleTensorCall):
         outs: list[torch.Tensor] = [c.out for c in calls]  # type: ignore[attr-defined]
         inps: list[torch.Tensor] = [c.inp for c in calls]  # type: ignore[attr-defined]
         if self.reduce_op == "premul_sum" or self.out.dtype == torch.bool or not (
-            _large(self.out) and all(o.is_contiguous() for o in outs) and _outputs_apart(outs, inps)
+            is_large(self.out) and all(o.is_contiguous() for o in outs) and outputs_apart(outs, inps)
         ):
             return super().deliver(calls)
         assert self.reduce_op is not None
