@@ -62,3 +62,24 @@ def test_the_size_check_sees_a_long_function_and_a_nested_one(tmp_path):
     body = "\n".join(f"    x{i} = {i}" for i in range(FUNCTION_LINES))
     tree = ast.parse(f"def long():\n{body}\n\nclass C:\n    def method(self):\n{body.replace('    ', '        ')}\n")
     assert _oversized_units(tree, "m.py", "") == {"m.py:long": FUNCTION_LINES + 1, "m.py:C.method": FUNCTION_LINES + 1}
+
+
+def _private_imports() -> list[str]:
+    """``from dstest.x import _name`` where ``_name`` is not a module: a name private to its module, used
+    by another (issue 41: the underscore must say "this module only")."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dstest"):
+                base = ROOT.parent.joinpath(*(node.module or "").split("."))
+                for alias in node.names:
+                    name = alias.name
+                    private = name.startswith("_") and not name.startswith("__")
+                    is_module = (base / f"{name}.py").exists() or (base / name / "__init__.py").exists()
+                    if private and not is_module:
+                        found.append(f"{path.relative_to(ROOT.parent)}: {node.module}.{name}")
+    return found
+
+
+def test_no_underscore_name_is_imported_across_modules():
+    assert _private_imports() == []
