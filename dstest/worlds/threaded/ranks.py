@@ -256,12 +256,19 @@ def await_ranks(
     def running() -> list[threading.Thread]:
         return [threads[r] for r in phase.running()]
 
+    turns = rendezvous.turns
     try:
         while not phase.all_done.wait(0.02):
             if rendezvous.abort_event.is_set():
+                if turns is not None:
+                    turns.stop()
                 interrupt(threads, running, ABORT_GRACE_S)
                 break
+            if turns is not None:
+                turns.unstick()
             if time.monotonic() >= deadline:
+                if turns is not None:
+                    turns.stop()
                 err = timeout_error(threads, world_size, timeout, phase.running(), outcome)
                 rendezvous.abort(err)
                 interrupt(threads, running, ABORT_GRACE_S)
@@ -270,6 +277,8 @@ def await_ranks(
                     err.args = (err.args[0] + f"\nthreads that could not be stopped: {stuck}",)
                 raise err
     except KeyboardInterrupt:
+        if turns is not None:
+            turns.stop()
         rendezvous.abort(WorldAborted("interrupted (Ctrl-C)"))
         interrupt(threads, running, ABORT_GRACE_S)
         raise

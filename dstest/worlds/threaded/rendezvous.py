@@ -37,6 +37,7 @@ from dstest.worlds.request import RunRequest
 from dstest.worlds.threaded.departures import Departures, RankLedger
 from dstest.worlds.threaded.failures import RankKilled
 from dstest.worlds.threaded.hazards import guard_call, guard_recv
+from dstest.worlds.threaded.turns import Turns
 from dstest.worlds.threaded.waits import CollectiveWait, P2PWait, Waitable
 from dstest.worlds.torch_internals import hash_store
 
@@ -45,6 +46,9 @@ __all__ = ["Rendezvous"]
 
 class Rendezvous(Departures):
     """Matches the calls of every rank of one world run, delivers their results, and holds the run's options."""
+
+    #: A large cold world's turns (:mod:`.turns`): who of its ranks runs Python; None: every rank at once.
+    turns: Turns | None = None
 
     def __init__(self, world_size: int) -> None:
         super().__init__(world_size)
@@ -244,7 +248,13 @@ class Rendezvous(Departures):
                 self.pending[rank] = waitable
                 self._detect_deadlock()
         if waiter is not None:
-            waiter.acquire()
+            turns = self.turns
+            if turns is None:
+                waiter.acquire()
+            else:  # a large world: hand the turn on while asleep, be handed one to wake (see .turns)
+                turns.give()
+                waiter.acquire()
+                turns.woke(waiter)
         if record is not None:
             record.waited()
         if waitable.error is not None:

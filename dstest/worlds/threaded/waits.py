@@ -65,7 +65,11 @@ class Waitable:
             pending = getattr(self.session, "pending", None)
             if pending is not None and pending.get(self.global_rank) is self:
                 del pending[self.global_rank]
-            waiter.release()
+            turns = getattr(self.session, "turns", None)
+            if turns is None:
+                waiter.release()
+            else:  # a large world: the rank wakes when its turn comes (see .turns)
+                turns.admit(waiter)
         if self.futures:
             for fut in self.futures:
                 self._resolve(fut)

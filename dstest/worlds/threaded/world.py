@@ -10,6 +10,7 @@ The package, one module per job (each imports only those before it in this list)
   default group;
 - :mod:`~dstest.worlds.threaded.departures`: the state of one run, and what ranks that leave it, deadlocks
   and aborts do to the others (the checking core's state machine, :mod:`dstest.worlds.core.rank_states`);
+- :mod:`~dstest.worlds.threaded.turns`: in a large world, one rank thread runs Python at a time;
 - :mod:`~dstest.worlds.threaded.rendezvous`: matching every rank's calls (the checking core's rules) and
   delivering their results;
 - :mod:`~dstest.worlds.threaded.thread_shared`: the rendezvous of rank threads, with the watch on what they
@@ -53,6 +54,7 @@ from dstest.worlds.threaded.ranks import (
     thread_shared_in_last_run,
 )
 from dstest.worlds.threaded.thread_shared import ThreadedRendezvous, watch_module_writes
+from dstest.worlds.threaded.turns import TURNS_FROM, Turns
 
 __all__ = ["ThreadedWorld", "c10d_state"]
 
@@ -142,6 +144,7 @@ class ThreadedWorld:
         watch_module_writes()
         rendezvous = ThreadedRendezvous(world_size)
         rendezvous.configure(recorder, request)
+        turns = rendezvous.turns = Turns() if world_size >= TURNS_FROM else None
         outcome = Outcome(world_size)
         phase = Countdown(world_size)
         paused = CollectorPaused(world_size)
@@ -150,6 +153,8 @@ class ThreadedWorld:
             def rank_main(rank: int) -> None:
                 batch_scheduling()
                 try:
+                    if turns is not None:
+                        turns.begin()
                     with rank_process_group(c10d_world, rendezvous, rank, device, timedelta(seconds=timeout)):
                         paused.started()
                         call_rank(rendezvous, rank, request, make_ctx(rank), outcome)
@@ -158,6 +163,8 @@ class ThreadedWorld:
                     rendezvous.abort(exc)
                     rendezvous.rank_done(rank, False)
                 finally:
+                    if turns is not None:
+                        turns.give()
                     phase.done(rank)
 
             threads = [
