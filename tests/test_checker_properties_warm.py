@@ -257,3 +257,22 @@ def test_the_digest_not_the_times_decides() -> None:
         assert sources.changed() is None
         _flip(read[0], 8)
         assert sources.changed() == f"{read[0]} changed after the warm server imported it"
+
+
+def test_an_entry_the_imports_appended_is_not_a_change() -> None:
+    """The look-up made before the server started is compared on the ``sys.path`` it was made on. An import
+    may append an entry (setuptools appends its ``_vendor`` directory, and torch 2.15 imports setuptools):
+    a module found only there was not found before the server started, and a fresh run finds it the same
+    way, through the same import. A copy that appears on the first entry later is still a change."""
+    with tempfile.TemporaryDirectory() as root:
+        tree, read = _build(root, {"m0": ("b", b"VALUE = 1\n", b"")})
+        time.sleep((MARGIN_NS + _TICK_NS) / 1e9)
+        since = time.time_ns()
+        before = resolve(["m0"], [tree.a])  # the cold run's sys.path at its start: b is not on it yet
+        assert before == {"m0": None}
+        sources = Sources.take(read, ["m0"], tree.entries, since, before, MARGIN_NS, entries_before=[tree.a])
+        assert sources.changed() is None
+        _write(os.path.join(tree.a, "m0.py"), b"VALUE = 2\n")
+        assert sources.changed() == f"module 'm0' would now be imported from {tree.a}/m0.py (the server has None)"
+        sys.path_importer_cache.pop(tree.a, None)
+        sys.path_importer_cache.pop(tree.b, None)

@@ -48,7 +48,14 @@ def serve(spec_path: str) -> int:
         print(f"warm server: importing the preload started threads {threading.enumerate()}; not serving", flush=True)
         return 1
     taking = time.monotonic()
-    sources = Sources.take(imported_files(), top_level_names(), sys.path, spec["since_ns"], spec["resolved"])
+    sources = Sources.take(
+        imported_files(),
+        top_level_names(),
+        sys.path,
+        spec["since_ns"],
+        spec["resolved"],
+        entries_before=spec["sys_path"],
+    )
     taken = time.monotonic() - taking
     # What the server imported lives as long as every session: out of the collector's sight, so that a
     # session's collections (pytest collects twice at its end) walk only the session's own objects, and do

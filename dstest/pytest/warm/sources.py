@@ -116,11 +116,15 @@ class Sources:
         entries: list[str],
         origins: dict[str, str | None],
         margin_ns: int,
+        baseline: tuple[list[str], frozenset[str]] = ([], frozenset()),
     ) -> None:
         self.files = files
         self.entries = entries
         self.origins = origins
         self.margin_ns = margin_ns
+        # The names looked up before the server started, and the sys.path they were looked up on: compared on
+        # that path, as an import made then appends entries of its own (setuptools appends its _vendor).
+        self.baseline_entries, self.baseline_names = baseline
 
     @classmethod
     def take(
@@ -131,11 +135,13 @@ class Sources:
         since_ns: int,
         resolved_before: Mapping[str, str | None] | None = None,
         margin_ns: int = MARGIN_NS,
+        entries_before: list[str] | None = None,
     ) -> Sources:
         """The stamps of ``paths`` (the files the server imported) and the lookups of ``names`` (its top-level
         modules) on ``entries``, once the imports are done. ``since_ns`` (``time.time_ns()``) was taken before
         the first of these files was read; ``resolved_before`` holds the lookups of names made before then
-        (:func:`resolve`, by the process that started the server), the baseline for those names."""
+        (:func:`resolve`, by the process that started the server), the baseline for those names, made on
+        ``entries_before`` (that process's ``sys.path``; ``entries`` when not given)."""
         files: dict[str, _File] = {}
         for path in paths:
             if path in files:
@@ -151,7 +157,8 @@ class Sources:
         known = dict(resolved_before or {})
         origins = {n: known[n] for n in names if n in known}
         origins.update(resolve([n for n in names if n not in known], entries))
-        return cls(files, list(entries), origins, margin_ns)
+        on = list(entries if entries_before is None else entries_before)
+        return cls(files, list(entries), origins, margin_ns, (on, frozenset(n for n in names if n in known)))
 
     def changed(self) -> str | None:
         """The first source that is no longer what the server imported, or None (called before every fork)."""
@@ -171,7 +178,8 @@ class Sources:
             # change could get the same times, else looked at again at the next fork.
             if Stamp.of(path) == now and now.ctime_ns < time.time_ns() - self.margin_ns:
                 file.stamp = now
-        now_found = resolve(self.origins, self.entries)
+        now_found = resolve([n for n in self.origins if n not in self.baseline_names], self.entries)
+        now_found.update(resolve([n for n in self.origins if n in self.baseline_names], self.baseline_entries))
         for name, origin in self.origins.items():
             if now_found.get(name) != origin:
                 return f"module {name!r} would now be imported from {now_found.get(name)} (the server has {origin})"
