@@ -21,12 +21,12 @@ from dstest.worlds.core import c10d, matching
 from dstest.worlds.core.faults import Delay, Fail, Fault, Kill, failed_text
 from dstest.worlds.process.checker import Checker, PostedCall, check_error
 from dstest.worlds.process.messages import Dev, Meta
-from dstest.worlds.torch_internals.dispatched import DispatchedGroup
+from dstest.worlds.torch_internals.dispatched import DispatchedGroup, DispatchedWork
 
 __all__ = ["CheckedGroup", "CheckedWork", "DoneWork"]
 
 
-class CheckedWork(torch_internals.WorkBase):  # type: ignore[misc]
+class CheckedWork(DispatchedWork):
     """The handle of a checked call: waits for the verdict, then for the gloo work issued on it."""
 
     def __init__(self, checker: Checker, rec: PostedCall) -> None:
@@ -51,10 +51,6 @@ class CheckedWork(torch_internals.WorkBase):  # type: ignore[misc]
         if done:
             rec.waited = True
         return done
-
-    def is_success(self) -> bool:
-        rec = self._rec
-        return self.is_completed() and rec.error is None and rec.issue_error is None
 
     def exception(self) -> BaseException | None:
         rec = self._rec
@@ -109,7 +105,7 @@ class CheckedWork(torch_internals.WorkBase):  # type: ignore[misc]
         return handed_out
 
 
-class DoneWork(torch_internals.WorkBase):  # type: ignore[misc]
+class DoneWork(DispatchedWork):
     """Already complete: the coalesced forms, which wait for their parts before returning."""
 
     def __init__(self, tensors: list[Any]) -> None:

@@ -12,11 +12,12 @@ import torch
 
 from dstest.worlds import torch_internals
 from dstest.worlds.threaded.waits import P2PWait, Waitable
+from dstest.worlds.torch_internals.dispatched import DispatchedWork
 
 __all__ = ["Work"]
 
 
-class Work(torch_internals.WorkBase):  # type: ignore[misc]
+class Work(DispatchedWork):
     """The handle a collective returns; ``wait()`` joins the rendezvous and copies this rank's result."""
 
     def __init__(self, waitable: Waitable) -> None:
@@ -34,9 +35,6 @@ class Work(torch_internals.WorkBase):  # type: ignore[misc]
         if w.error is None:  # polled complete: the caller may read the result now (as with gloo)
             w.session.consume(w)
         return True
-
-    def is_success(self) -> bool:
-        return self.is_completed() and self._waitable.error is None
 
     def exception(self) -> BaseException | None:
         return self._waitable.error

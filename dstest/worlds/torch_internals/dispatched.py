@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 
 from dstest.errors import InvalidArgument
+from dstest.worlds.torch_internals.process_groups import WorkBase
 
-__all__ = ["DISPATCHED_OPS", "DispatchedGroup", "dispatched", "observed"]
+__all__ = ["DISPATCHED_OPS", "DispatchedGroup", "DispatchedWork", "dispatched", "observed"]
 
 
 def _newest(name: str, before: str) -> str:
@@ -138,6 +139,24 @@ class DispatchedGroup(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         pass
+
+
+class DispatchedWork(WorkBase):  # type: ignore[misc]
+    """The base of the work handles of both worlds' groups: what every handle answers the same way.
+
+    A subclass gives ``wait``, ``is_completed``, ``result``, ``get_future`` and, where a call can fail,
+    ``exception``; success is completion without an exception, as on gloo; a handle that is no transfer has
+    no source rank.
+    """
+
+    def is_success(self) -> bool:
+        return bool(self.is_completed()) and self.exception() is None
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def source_rank(self) -> int:
+        return -1
 
 
 class _Handed(threading.local):
