@@ -64,7 +64,7 @@ class _RankModuleHooks(collections.OrderedDict):  # type: ignore[type-arg]
         mine = self._mine()
         if mine is not None and key in mine:
             return mine
-        return next((d for d in self.by_rank.values() if key in d), None)
+        return next((d for d in list(self.by_rank.values()) if key in d), None)  # a copy: ranks add theirs
 
     def __setitem__(self, key: Any, value: Any) -> None:
         owner = self._owner()
@@ -87,8 +87,12 @@ class _RankModuleHooks(collections.OrderedDict):  # type: ignore[type-arg]
         self._drop_empty()
 
     def _drop_empty(self) -> None:
-        for owner in [o for o, hooks in self.by_rank.items() if not hooks]:
-            del self.by_rank[owner]
+        """Drop the calling rank's table once it is empty. Only its own: another rank may be adding to its
+        table at this moment (iterating every rank's table raced with that: "dictionary changed size during
+        iteration", and a table dropped between a rank's setdefault and its insert lost the hook)."""
+        owner = self._owner()
+        if owner is not None and not self.by_rank.get(owner, True):
+            self.by_rank.pop(owner, None)
 
     def __contains__(self, key: object) -> bool:
         return self._holder(key) is not None
