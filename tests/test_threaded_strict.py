@@ -7,6 +7,7 @@ Every desync test asserts the error and that the world's timeout was *not* what 
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -460,3 +461,72 @@ def test_an_interrupted_rank_runs_its_cleanup_to_the_end():
     err = _failure(body)
     assert "the real error" in str(err)
     assert released.wait(2.0) and not lock.locked()
+
+
+class _SlowToEnterHandler(logging.Handler):
+    """A handler whose lock is taken a while before ``Handler.handle`` enters its ``try`` (a busy stream, a
+    slow filter): an interrupt landing there leaves the lock held for good."""
+
+    def acquire(self) -> None:
+        super().acquire()
+        end = time.monotonic() + 0.02
+        while time.monotonic() < end:
+            pass
+
+    def emit(self, record: logging.LogRecord) -> None:
+        pass
+
+
+def test_an_interrupted_rank_that_logs_leaves_no_logging_lock_held_and_stops():
+    """E3: pytest attaches its handlers to every non-propagating logger (torch's c10d logger logs each
+    failing collective at DEBUG); an abort that interrupted a rank between a handler's acquire and its
+    ``try`` left the handler's lock held by a dead thread, and every later log call of the session hung
+    (CI: twelve threaded-world tests ran past their timeout). Here the rank is inside that window most of
+    the time: it must still be stopped, and the lock must be free after the run."""
+    handler = _SlowToEnterHandler()
+    log = logging.getLogger("dstest-test.slow-handler")
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+
+        def body(ctx):
+            if ctx.rank == 0:
+                time.sleep(0.1)
+                raise ValueError("the real error")
+            while True:
+                calls.append(1)
+                log.warning("spinning")
+
+        for _ in range(3):
+            calls: list[int] = []
+            err = _failure(body)
+            assert "the real error" in str(err)
+            assert handler.lock is not None
+            assert handler.lock.acquire(timeout=2.0), "the handler's lock was left held by an interrupted rank"
+            handler.lock.release()
+            n = len(calls)
+            time.sleep(0.1)
+            assert len(calls) == n, "the logging rank was never stopped"
+    finally:
+        log.removeHandler(handler)
+
+
+def test_a_handler_lock_left_by_a_dead_thread_is_given_a_new_lock():
+    """E3: the repair behind the rule above: a logging lock owned by a thread that no longer lives (an
+    interrupt that landed anyway, in a handler's own code) is replaced once the ranks have stopped."""
+    from dstest.worlds.stopping import repair_logging_locks
+
+    handler = logging.Handler()
+    log = logging.getLogger("dstest-test.orphaned-lock")
+    log.addHandler(handler)
+    try:
+        t = threading.Thread(target=handler.acquire)
+        t.start()
+        t.join()
+        assert not handler.lock.acquire(timeout=0.05)
+        assert repair_logging_locks({t.ident}) >= 1  # more if an earlier dead thread had the same id
+        assert handler.lock.acquire(timeout=0.05)
+        handler.lock.release()
+        assert repair_logging_locks({t.ident}) == 0  # a free lock is left alone
+    finally:
+        log.removeHandler(handler)

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import logging
+import os
+import re
 import sys
 import threading
 import time
@@ -28,6 +31,7 @@ __all__ = [
     "format_stacks",
     "interrupt",
     "reap",
+    "repair_logging_locks",
     "stacks_of",
     "stuck_threads",
 ]
@@ -88,6 +92,16 @@ def _async_raise(thread: threading.Thread, exc: type[BaseException]) -> None:
 
 INTERRUPT_AFTER_S = 0.05
 INTERRUPT_EVERY_S = 0.4
+_LOGGING_DIR = os.path.dirname(logging.__file__) + os.sep
+
+
+def _in_logging(frame: FrameType | None) -> bool:
+    """Whether a stack has a frame of the logging package (a handler's lock may be held there)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_LOGGING_DIR):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def interrupt(threads: list[threading.Thread], running: Any, grace: float) -> None:
@@ -98,21 +112,86 @@ def interrupt(threads: list[threading.Thread], running: Any, grace: float) -> No
     ``INTERRUPT_AFTER_S`` in, and again only every ``INTERRUPT_EVERY_S`` for a rank that swallowed it. An
     asynchronous exception can land anywhere, including inside the ``finally`` clauses it is unwinding
     through: raised every few milliseconds, a second one skipped ``logging.Handler.release()`` in torch's
-    per-collective logging and left the handler's lock held, hanging every later log call.
+    per-collective logging and left the handler's lock held, hanging every later log call. It can also land
+    between a handler's ``acquire()`` and the ``try`` that releases it (``logging.Handler.handle``): pytest
+    attaches its handlers to torch's c10d logger, which logs every failing collective, so a rank unwinding a
+    mismatch is often there. A rank found inside the logging package is therefore let through for up to
+    ``INTERRUPT_EVERY_S`` more, looked at every 10 ms, and interrupted when it is out (a rank that logs in a
+    loop is interrupted at the end of that time wherever it is); a lock an interrupt left held is replaced
+    when this returns (:func:`repair_logging_locks`).
     """
     start = time.monotonic()
     end = start + grace
     due: dict[threading.Thread, float] = {}
-    while True:
-        now = time.monotonic()
-        alive = [t for t in running() if t.is_alive()]
-        if not alive or now >= end:
-            return
-        for t in alive:
-            if now >= due.get(t, start + INTERRUPT_AFTER_S):
-                _async_raise(t, WorldAborted)
-                due[t] = now + INTERRUPT_EVERY_S
-        time.sleep(0.01)
+    waited: dict[threading.Thread, float] = {}
+    interrupted: set[int] = set()
+    try:
+        while True:
+            now = time.monotonic()
+            alive = [t for t in running() if t.is_alive()]
+            if not alive or now >= end:
+                return
+            ready = [t for t in alive if now >= due.get(t, start + INTERRUPT_AFTER_S)]
+            if ready:
+                frames = current_frames()
+                for t in ready:
+                    if t.ident is None:
+                        continue
+                    if _in_logging(frames.get(t.ident)) and now < waited.setdefault(t, now + INTERRUPT_EVERY_S):
+                        continue  # looked at again in 10 ms
+                    waited.pop(t, None)
+                    _async_raise(t, WorldAborted)
+                    interrupted.add(t.ident)
+                    due[t] = now + INTERRUPT_EVERY_S
+            time.sleep(0.01)
+    finally:
+        if interrupted:
+            repair_logging_locks(interrupted)
+
+
+_OWNER = re.compile(r"owner=(\d+)")
+
+
+def _logging_locks() -> list[tuple[Any, str]]:
+    """The logging package's own lock and every live handler's: (holder, attribute)."""
+    out: list[tuple[Any, str]] = [(logging, "_lock")]
+    seen: set[int] = set()
+    handlers: list[logging.Handler] = []
+    for ref in list(getattr(logging, "_handlerList", [])):
+        h = ref()
+        if h is not None:
+            handlers.append(h)
+    for lg in [logging.getLogger(), *list(logging.Logger.manager.loggerDict.values())]:
+        handlers.extend(getattr(lg, "handlers", []))
+    for h in handlers:
+        if id(h) not in seen:
+            seen.add(id(h))
+            out.append((h, "lock"))
+    return out
+
+
+def repair_logging_locks(owners: set[int]) -> int:
+    """Give a new lock to every logging lock held by one of the threads ``owners`` that is no longer inside
+    the logging package (dead, or out of the call an interrupt cut short): no one else can ever release it.
+
+    Returns how many locks were replaced.
+    """
+    frames = current_frames()
+    replaced = 0
+    for holder, attr in _logging_locks():
+        lock = getattr(holder, attr, None)
+        if lock is None:
+            continue
+        m = _OWNER.search(repr(lock))
+        owner = int(m.group(1)) if m else 0
+        if owner not in owners or _in_logging(frames.get(owner)):
+            continue
+        if isinstance(holder, logging.Handler):
+            holder.createLock()
+        else:
+            setattr(holder, attr, threading.RLock())
+        replaced += 1
+    return replaced
 
 
 def reap(threads: list[threading.Thread], grace: float) -> list[str]:
