@@ -38,3 +38,64 @@ def test_pytest_session_benchmark_runs_every_kind_of_test(tmp_path: Path) -> Non
     (row,) = report["rows"]
     assert row["world_size"] == 2
     assert all(row[k] > 0 for k in ("dstest_s", "torch_s", "world_run_s", "pytest_plain_s"))
+
+
+def _passing_figures(d: Path) -> None:
+    """Figures that meet every goal of benchmarks/goals.py, in the shapes the scripts write."""
+    small = [{"world_size": 4, "collective": "all_reduce", "seconds": 1.4e-4, "floor_seconds": 1e-4,
+              "torch_seconds": 3e-4, "ratio_dstest_to_floor": 1.4, "ratio_torch_to_dstest": 3e-4 / 1.4e-4}]
+    (d / "threaded.json").write_text(json.dumps({"small": small, "load_at_start": [1.0, 1.0, 1.0]}))
+    rows = [{"world_size": 4, "dstest_s": 9e-4, "torch_s": 5e-3, "ratio_torch_to_dstest": 5e-3 / 9e-4}]
+    (d / "pytest_session.json").write_text(json.dumps({"rows": rows, "load": [1.0, 1.0, 1.0]}))
+    med = {"wall": 2.0, "start": 1.0, "body": 1.0, "end": 0.0, "spread": 1.5}
+    cases = {c: {"median": {"this": dict(med)}} for c in ("all_gather_into_tensor:4096", "list_all_gather:1024")}
+    (d / "scale.json").write_text(json.dumps({"cases": cases, "load_at_start": [1.0, 1.0, 1.0]}))
+    (d / "spec_overhead.json").write_text(json.dumps({"results": {"4": {"process": 1.9e-3}}}))
+    (d / "suite.json").write_text(json.dumps({"xdist2_seconds": 140.0, "xdist2": "10 passed"}))
+
+
+# (file, a path into its JSON, a value that misses the goal): each one alone must turn its goal to "not met"
+_MISSES = [
+    ("threaded.json", ("small", 0, "ratio_dstest_to_floor"), 1.51),
+    ("threaded.json", ("small", 0, "ratio_torch_to_dstest"), 1.99),
+    ("pytest_session.json", ("rows", 0, "dstest_s"), 1.01e-3),
+    ("pytest_session.json", ("rows", 0, "ratio_torch_to_dstest"), 4.9),
+    ("scale.json", ("cases", "all_gather_into_tensor:4096", "median", "this", "wall"), 3.0),
+    ("scale.json", ("cases", "list_all_gather:1024", "median", "this", "wall"), 5.0),
+    ("scale.json", ("cases", "list_all_gather:1024", "median", "this", "spread"), 2.01),
+    ("spec_overhead.json", ("results", "4", "process"), 2.01e-3),
+    ("suite.json", ("xdist2_seconds",), 151.0),
+]
+
+
+@pytest.mark.parametrize("case", range(len(_MISSES)))
+def test_goals_are_met_only_when_every_figure_meets_them(tmp_path: Path, case: int) -> None:
+    """benchmarks/goals.py (issue 44): figures inside every goal are all met; one figure past its goal turns
+    that goal, and only that one, to "not met"; a missing file or figure is "not measured", never met."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import goals
+    finally:
+        sys.path.pop(0)
+    _passing_figures(tmp_path)
+    before = goals.evaluate(tmp_path)
+    assert [r["verdict"] for r in before][: len(goals.GOALS)] == ["met"] * len(goals.GOALS)
+    assert all(r["verdict"] == "not measured" for r in before[len(goals.GOALS) :])
+
+    name, where, value = _MISSES[case]
+    data = json.loads((tmp_path / name).read_text())
+    node = data
+    for key in where[:-1]:
+        node = node[key]
+    node[where[-1]] = value
+    (tmp_path / name).write_text(json.dumps(data))
+    after = goals.evaluate(tmp_path)
+    changed = [i for i, (a, b) in enumerate(zip(before, after)) if a["verdict"] != b["verdict"]]
+    assert len(changed) == 1 and after[changed[0]]["verdict"] == "not met"
+    assert goals.GOALS[changed[0]].source == name
+
+    del node[where[-1]]  # the figure gone: not measured
+    (tmp_path / name).write_text(json.dumps(data))
+    assert goals.evaluate(tmp_path)[changed[0]]["verdict"] == "not measured"
+    (tmp_path / name).unlink()
+    assert goals.evaluate(tmp_path)[changed[0]]["verdict"] == "not measured"
