@@ -2,13 +2,16 @@
 ``bench_threaded.py``, each in a fresh interpreter, the two trees alternating round by round (each side sees
 the same load), with where a run's time goes.
 
-    python benchmarks/bench_scale.py [--baseline TREE] [--rounds 3] [--case list_all_gather:1024 ...] [--json PATH]
+    python benchmarks/bench_scale.py [--baseline TREE] [--rounds 3] [--repeat 2] [--case list_all_gather:1024 ...]
+        [--json PATH]
 
 ``TREE`` is a checkout of dstest (``git worktree add /tmp/base <commit>``); without it only this tree runs.
 Each run reports its wall time and three phases read from per-rank timestamps: the start (the run's call
 until the last rank entered the body: threads started, each rank's default group formed), the body (until
 the last rank left it) and the end (until ``run`` returned). Medians per side; the load average before each
-run is kept too, since the machine may be shared.
+run is kept too, since the machine may be shared. ``--repeat 2`` runs the body a second time in the same
+interpreter, a cold world again (``warm=False``): what a test session's later large world costs, where the
+first run pays the process's one-time set-up (reported as ``again``).
 """
 
 from __future__ import annotations
@@ -71,12 +74,20 @@ def one(body: str, world_size: int) -> dict[str, Any]:
     }
 
 
-def child(tree: str, body: str, world_size: int) -> dict[str, Any]:
+def repeated(body: str, world_size: int, repeat: int) -> dict[str, Any]:
+    """In the child: ``repeat`` cold runs in this interpreter; the first's phases, and the last's as ``again``."""
+    first = one(body, world_size)
+    for _ in range(repeat - 1):
+        first["again"] = one(body, world_size)
+    return first
+
+
+def child(tree: str, body: str, world_size: int, repeat: int = 1) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=tree, PYTHONWARNINGS="ignore::FutureWarning")
     code = (
         f"import sys, json; sys.path.insert(0, {tree!r}); sys.path.insert(1, {str(HERE)!r});"
         f"import bench_scale, dstest; assert dstest.__file__.startswith({tree!r}), dstest.__file__;"
-        f"print('RESULT', json.dumps(bench_scale.one({body!r}, {world_size})))"
+        f"print('RESULT', json.dumps(bench_scale.repeated({body!r}, {world_size}, {repeat})))"
     )
     load = os.getloadavg()[0]
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=3600)
@@ -92,6 +103,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", help="a checkout of dstest to run against this tree")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=1, help="cold runs per interpreter (the last: 'again')")
     parser.add_argument("--case", action="append", help="BODY:WORLD_SIZE (repeatable)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -105,23 +117,29 @@ def main() -> None:
         for r in range(args.rounds):
             order = list(sides) if r % 2 == 0 else list(reversed(sides))
             for side in order:
-                res = child(sides[side], body, int(ws))
+                res = child(sides[side], body, int(ws), args.repeat)
                 runs[side].append(res)
-                print(
-                    f"{case:<28} {side:<9} round {r}: wall {res['wall']:7.2f} s (start {res['start']:6.2f}, "
-                    f"body {res['body']:6.2f}, end {res['end']:5.2f}; body cpu/rank {res['body_cpu_ms_per_rank']:.2f} ms) "
-                    f"load {res['load_before']:.1f}",
-                    flush=True,
-                )
+                for label, x in (("", res), ("again", res.get("again"))):
+                    if x is not None:
+                        print(
+                            f"{case:<28} {side:<9} round {r}{label:>6}: wall {x['wall']:7.2f} s (start {x['start']:6.2f}, "
+                            f"body {x['body']:6.2f}, end {x['end']:5.2f}; body cpu/rank {x['body_cpu_ms_per_rank']:.2f} ms) "
+                            f"load {res['load_before']:.1f}",
+                            flush=True,
+                        )
         summary = {}
         for side, rs in runs.items():
-            summary[side] = {k: statistics.median(x[k] for x in rs) for k in ("wall", "start", "body", "end")}
-            summary[side]["spread"] = max(x["wall"] for x in rs) / min(x["wall"] for x in rs)
-            print(
-                f"{case:<28} {side:<9} median wall {summary[side]['wall']:.2f} s (start {summary[side]['start']:.2f}, "
-                f"body {summary[side]['body']:.2f}, end {summary[side]['end']:.2f}), max/min {summary[side]['spread']:.2f}",
-                flush=True,
-            )
+            for label, xs in (("", rs), ("again", [x["again"] for x in rs if "again" in x])):
+                if not xs:
+                    continue
+                med = {k: statistics.median(x[k] for x in xs) for k in ("wall", "start", "body", "end")}
+                med["spread"] = max(x["wall"] for x in xs) / min(x["wall"] for x in xs)
+                summary[side + (f" {label}" if label else "")] = med
+                print(
+                    f"{case:<28} {side:<9} {label:>5} median wall {med['wall']:.2f} s (start {med['start']:.2f}, "
+                    f"body {med['body']:.2f}, end {med['end']:.2f}), max/min {med['spread']:.2f}",
+                    flush=True,
+                )
         results["cases"][case] = {"runs": runs, "median": summary}
     results["load_at_end"] = os.getloadavg()
     if args.json:

@@ -17,6 +17,7 @@ The package, one module per job (each imports only those before it in this list)
   share that processes would not (module globals, module attributes, torch's generator);
 - :mod:`~dstest.worlds.threaded.ranks`: one rank thread's body, waiting for the ranks, a run's end;
 - :mod:`~dstest.worlds.threaded.crews`: warm crews of rank threads kept between runs;
+- :mod:`~dstest.worlds.threaded.parked`: bare threads kept between large cold runs;
 - :mod:`~dstest.worlds.threaded.world`: :class:`ThreadedWorld` and cold runs (this module).
 
 Shared with other worlds: the collectives (:mod:`dstest.worlds.collectives`), the checking core
@@ -25,6 +26,7 @@ Shared with other worlds: the collectives (:mod:`dstest.worlds.collectives`), th
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -38,6 +40,7 @@ from dstest.worlds import torch_internals
 from dstest.worlds.protocol import Capabilities
 from dstest.worlds.request import RunRequest
 from dstest.worlds.stopping import reap
+from dstest.worlds.threaded import parked
 from dstest.worlds.threaded.crews import CREWS, shutdown_all
 from dstest.worlds.threaded.failures import Outcome
 from dstest.worlds.threaded.group import rank_process_group, register_backend
@@ -76,7 +79,9 @@ class ThreadedWorld:
 
     ``warm=True`` keeps the rank threads and their default group between runs (a run costs a rendezvous,
     not a world's start-up); a failing run retires them, and :func:`shutdown_all` stops the rest. At most
-    :func:`warm_thread_cap` threads are kept. With ``warm=False`` every run starts and ends its own threads.
+    :func:`warm_thread_cap` threads are kept. With ``warm=False`` every run starts and ends its own threads, but
+    for a world of :data:`~.parked.PARK_FROM` ranks or more: those run on parked threads, bare threads kept
+    between cold runs (:mod:`.parked`), each serving its rank as a new thread would.
     """
 
     name = "threaded"
@@ -103,8 +108,10 @@ class ThreadedWorld:
         return thread_shared_in_last_run()
 
     def close(self) -> None:
-        """Stop the warm crews of this process (every device's: they are the process's, not this object's)."""
+        """Stop the warm crews and parked threads of this process (every device's: they are the process's, not
+        this object's)."""
         shutdown_all()
+        parked.shutdown_parked()
 
     def run(self, request: RunRequest) -> list[Any]:
         self.capabilities.refuse(request, self.name)
@@ -144,7 +151,7 @@ class ThreadedWorld:
         watch_module_writes()
         rendezvous = ThreadedRendezvous(world_size)
         rendezvous.configure(recorder, request)
-        turns = rendezvous.turns = Turns() if world_size >= TURNS_FROM else None
+        turns = rendezvous.turns = Turns(slots=0) if world_size >= TURNS_FROM else None
         outcome = Outcome(world_size)
         phase = Countdown(world_size)
         paused = CollectorPaused(world_size)
@@ -167,17 +174,45 @@ class ThreadedWorld:
                         turns.give()
                     phase.done(rank)
 
-            threads = [
-                threading.Thread(target=rank_main, args=(r,), name=f"{_THREAD_PREFIX}{r}", daemon=True)
-                for r in range(world_size)
-            ]
+            members = parked.take(world_size) if world_size >= parked.PARK_FROM else None
+            threads = (
+                [p.thread for p in members]
+                if members is not None
+                else [
+                    threading.Thread(target=rank_main, args=(r,), name=f"{_THREAD_PREFIX}{r}", daemon=True)
+                    for r in range(world_size)
+                ]
+            )
+            notes = ""
             try:
-                for t in threads:
-                    t.start()
+                try:
+                    _start(threads, members, rank_main)
+                finally:
+                    if turns is not None:
+                        turns.open()  # every thread is there: ranks start one at a time from now on
                 notes = await_ranks(phase, rendezvous, threads, timeout, outcome)
+            except BaseException:
+                if members is not None:  # a timeout or Ctrl-C: its threads end
+                    parked.retire(members)
+                raise
             finally:
                 paused.release()  # a rank whose start failed never reports started
-            left = reap(threads, self.grace if notes else 0.5)
+            grace = self.grace if notes else 0.5
+            if members is None:
+                left = reap(threads, grace)
+            else:
+                clean_run = not notes and rendezvous.aborted is None
+                left = parked.give_back(members, grace, reuse=clean_run)
             if left and not notes:
                 notes = f"\nthreads that could not be stopped (stuck in C code; never reused): {left}"
         return finish_run(rendezvous, outcome, notes)
+
+
+def _start(threads: list[threading.Thread], members: list[parked.ParkedThread] | None, rank_main: Any) -> None:
+    """Start each rank: a new thread each, or a parked thread handed its rank (named after it meanwhile)."""
+    if members is None:
+        for t in threads:
+            t.start()
+        return
+    for rank, p in enumerate(members):
+        p.serve(functools.partial(rank_main, rank), f"{_THREAD_PREFIX}{rank}")

@@ -97,7 +97,12 @@ from dstest.worlds.torch_internals.testing_bases import (
     bases_timeout,
     reset_bases_leftovers,
 )
-from dstest.worlds.torch_internals.threads import create_thread_caches, release_thread_caches
+from dstest.worlds.torch_internals.threads import (
+    clear_thread_locals,
+    create_thread_caches,
+    release_thread_caches,
+    thread_state,
+)
 from dstest.worlds.torch_internals.worker_patches import install_checked_gloo, put_back_functional_linear
 
 __all__ = [
@@ -114,6 +119,7 @@ __all__ = [
     "below_autograd",
     "c10d_options",
     "c10d_state",
+    "clear_thread_locals",
     "create_thread_caches",
     "current_generator",
     "current_rank_state",
@@ -144,6 +150,7 @@ __all__ = [
     "tcp_client_store",
     "thread_local_c10d_world",
     "thread_local_c10d_world_ensure",
+    "thread_state",
     "torch_switches",
     "unisolated_world_fields",
 ]

@@ -3,7 +3,9 @@
 A thread a rank starts (a data loader's, a checkpoint writer's) acts as that rank, as it would inside the
 rank's own process (:func:`inheriting_start`). Two of torch's per-thread C++ objects outlive or deadlock
 threads that come and go as rank threads do: the fake CUDA device guard (:func:`pin_fake_cuda_guard`) and
-DTensor's sharding cache (:func:`create_thread_caches`, :func:`release_thread_caches`).
+DTensor's sharding cache (:func:`create_thread_caches`, :func:`release_thread_caches`). A thread that serves
+one rank after another (the threaded world's parked threads) is given back a fresh thread's state
+(:func:`clear_thread_locals`, :func:`thread_state`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ import torch
 
 from dstest.worlds.torch_internals.installed import HOOKS, INSTALL
 
-__all__ = ["create_thread_caches", "inheriting_start", "pin_fake_cuda_guard", "release_thread_caches"]
+__all__ = [
+    "clear_thread_locals",
+    "create_thread_caches",
+    "inheriting_start",
+    "pin_fake_cuda_guard",
+    "release_thread_caches",
+    "thread_state",
+]
 
 
 def pin_fake_cuda_guard() -> None:
@@ -88,6 +97,36 @@ def release_thread_caches() -> None:
     if _DTENSOR_CACHE_KEY in state:
         with _THREAD_END_LOCK:
             state.pop(_DTENSOR_CACHE_KEY, None)
+
+
+def clear_thread_locals() -> None:
+    """On a thread that served a rank and will serve another: drop everything kept per thread in its state dict.
+
+    Every ``threading.local`` keeps its value for a thread under a key of that thread's state dict, and C
+    extensions keep their per-thread objects there (DTensor's cache, freed under its lock first). A thread's
+    end clears that dict; clearing it here gives the thread what a new one would have: no ``threading.local``
+    attribute a body set (its own or a library's), no cache of the rank it served.
+    """
+    release_thread_caches()
+    _thread_state_dict().clear()
+
+
+def thread_state() -> tuple[Any, ...]:
+    """What torch keeps per thread in C++ that a body can leave changed: grad and inference mode, the
+    thread's own dispatch keys (included, excluded), the torch-function and dispatch mode stacks, autocast,
+    autograd's multithreading switch. Equal on a thread before and after it served a rank when nothing
+    was left behind; a thread whose state differs is not given to another rank (it ends instead)."""
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        repr(torch._C._dispatch_tls_local_include_set()),
+        repr(torch._C._dispatch_tls_local_exclude_set()),
+        torch._C._len_torch_function_stack(),
+        torch._C._len_torch_dispatch_stack(),
+        torch._C._is_torch_function_enabled(),
+        torch.is_autocast_enabled("cpu"),
+        torch.autograd.is_multithreading_enabled(),
+    )
 
 
 def inheriting_start(self: threading.Thread) -> None:
