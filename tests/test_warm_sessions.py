@@ -200,3 +200,69 @@ def test_f3_a_file_changed_while_the_server_imports_it_makes_the_next_run_cold(p
     again = _run(pytester, "-k", "library")
     assert FORKED in _header(again), again.outlines[:12]
     again.assert_outcomes(passed=2)
+
+
+def test_f3_the_ini_setting_keeps_a_server_between_runs_without_the_option(project) -> None:
+    """``dstest_warm = true`` in the ini file: every run is a warm one without ``--dstest-warm`` (the first cold,
+    starting the server, the next forked from it); ``--dstest-no-warm`` runs one in its own process and
+    starts nothing."""
+    pytester, warm_dir = project
+    pytester.makeini("[pytest]\ndstest_warm = true\n")
+
+    def run(*args: str) -> pytest.RunResult:
+        return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "agree", *args, timeout=240)
+
+    cold = run()
+    assert COLD in _header(cold), cold.outlines[:12]
+    cold.assert_outcomes(passed=1)
+    _wait_for_server(warm_dir)
+    warm = run()
+    assert FORKED in _header(warm), warm.outlines[:12]
+    warm.assert_outcomes(passed=1)
+    alone = run("--dstest-no-warm")
+    assert not _header(alone), alone.outlines[:12]
+    alone.assert_outcomes(passed=1)
+    assert "a warm server" not in alone.stdout.str()
+
+
+def _server_pid(warm_dir: Path) -> int:
+    logs = "".join(p.read_text() for p in warm_dir.glob("*.log"))
+    return int(logs.split("warm server ", 1)[1].split(":", 1)[0])
+
+
+def _wait_gone(pid: int, warm_dir: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    logs = "\n".join(p.read_text() for p in warm_dir.glob("*.log"))
+    raise AssertionError(f"the warm server {pid} still runs {timeout} s later; its log:\n{logs}")
+
+
+def test_f3_an_idle_server_stops_once_its_sources_change_or_its_socket_goes(
+    project, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kept server does not wait for its idle time when no run can use it any more: a file it imported
+    changed (checked every ``DSTEST_WARM_WATCH`` seconds while no session runs), or its socket was removed."""
+    pytester, warm_dir = project
+    monkeypatch.setenv("DSTEST_WARM_WATCH", "0.5")
+    _run(pytester, "-k", "library").assert_outcomes(passed=2)
+    _wait_for_server(warm_dir)
+    pid = _server_pid(warm_dir)
+    (pytester.path / "lib" / "mylib.py").write_text("VALUE = 3\n")
+    _wait_gone(pid, warm_dir)
+    assert "mylib.py changed after the warm server imported it; stopping" in "".join(
+        p.read_text() for p in warm_dir.glob("*.log")
+    )
+    assert not list(warm_dir.glob("*.sock"))
+    for log in warm_dir.glob("*.log"):
+        log.unlink()
+    _run(pytester, "-k", "library").assert_outcomes(passed=2)  # cold: starts a server with the new code
+    _wait_for_server(warm_dir)
+    pid = _server_pid(warm_dir)
+    for sock in warm_dir.glob("*.sock"):
+        sock.unlink()
+    _wait_gone(pid, warm_dir)

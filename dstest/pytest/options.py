@@ -28,6 +28,8 @@ OPT_STRICT_SHAPES = "--dstest-strict-shapes"
 OPT_UNCHECKED = "--dstest-unchecked"
 INI_UNCHECKED = "dstest_unchecked"
 OPT_WARM = "--dstest-warm"
+OPT_NO_WARM = "--dstest-no-warm"
+INI_WARM = "dstest_warm"
 OPT_THREADS_ALONE = "--dstest-threads-alone"
 OPT_CROSSCHECK = "--dstest-crosscheck"
 INI_DESELECT_SOAK = "dstest_deselect_soak"
@@ -177,6 +179,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     _add_observation_options(group)
     _add_compat_options(group, parser)
     parser.addini(
+        INI_WARM,
+        type="bool",
+        default=False,
+        help=f"dstest: every run as with {OPT_WARM} (a warm server kept between runs; {OPT_NO_WARM} runs one "
+        "cold; python -m dstest.pytest.warm --stop stops the servers)",
+    )
+    parser.addini(
         INI_DESELECT_SOAK,
         type="bool",
         default=False,
@@ -269,8 +278,16 @@ def _add_observation_options(group: Any) -> None:
     group.addoption(
         OPT_WARM,
         action="store_true",
-        default=False,
+        dest="dstest_warm",
+        default=None,
         help="run in a session forked from a warm server that has already imported torch and what the "
         "process world's workers need (started by the first such run; a changed source file makes the run "
-        "cold again); see dstest.pytest.warm",
+        f"cold again and stops the server); the ini setting {INI_WARM} = true makes every run so; see "
+        "dstest.pytest.warm",
+    )
+    group.addoption(
+        OPT_NO_WARM,
+        action="store_false",
+        dest="dstest_warm",
+        help=f"run in this process, neither handed to a warm server nor starting one, whatever {INI_WARM} says",
     )

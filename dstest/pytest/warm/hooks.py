@@ -20,17 +20,29 @@ from dstest.pytest.warm.staleness import loaded_origins
 _STATE = pytest.StashKey[WarmState]()
 
 
+def wanted(config: pytest.Config) -> bool:
+    """Whether this run is a warm one: ``--dstest-warm`` or ``--dstest-no-warm`` when given, else the ini
+    setting ``dstest_warm`` (a project that opted in once keeps its server between runs)."""
+    given = getattr(config.known_args_namespace, "dstest_warm", None)
+    if given is not None:
+        return bool(given)
+    try:
+        return bool(config.getini("dstest_warm"))
+    except ValueError:  # the setting is not registered: dstest's options plugin was left out (-p no:...)
+        return False
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)  # before pytest's capture starts: the streams handed over are the run's
 def pytest_load_initial_conftests(early_config: pytest.Config) -> Any:
     # An xdist worker finds no server: its environment holds the run's PYTEST_XDIST_TESTRUNUID, new each run.
-    if getattr(early_config.known_args_namespace, "dstest_warm", False) and forked() is None:
+    if wanted(early_config) and forked() is None:
         early_config.stash[_STATE] = hand_over(early_config)
     return (yield)
 
 
 @pytest.hookimpl(trylast=True)  # after the conftests' and the other plugins' configuration
 def pytest_configure(config: pytest.Config) -> None:
-    if not config.getoption("dstest_warm", False):
+    if not wanted(config):
         return
     if forked() is not None:
         reason = check_session(config)
@@ -43,7 +55,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
-    if not config.getoption("dstest_warm", False):
+    if not wanted(config):
         return None
     child = forked()
     if child is not None:

@@ -103,13 +103,24 @@ def _serve_runs(listener: socket.socket, sources: Sources, spec: dict[str, Any],
     """Fork a session for every run that connects, until the server has been idle too long or a file it
     imported changed (that run is declined and goes on cold)."""
     idle = float(os.environ.get(channel.ENV_IDLE, channel.IDLE_DEFAULT))
+    watch = float(os.environ.get(channel.ENV_WATCH, channel.WATCH_DEFAULT))
     children: dict[int, socket.socket] = {}
-    last = time.monotonic()
+    last = checked = time.monotonic()
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select below
+    where = os.stat(listener.getsockname())  # the file, not the socket (fstat would give the socket)
     while True:
         _reap(children)
-        if not children and time.monotonic() - last > idle:
+        now = time.monotonic()
+        if not children and now - last > idle:
+            print(f"warm server: no run for {idle:g} s ({channel.ENV_IDLE}); stopping", flush=True)
             return 0
+        if not children and now - checked > watch:  # idle: the sessions' CPU is left alone
+            checked = now
+            gone = _gone(listener, where)
+            stale = gone or sources.changed()
+            if stale is not None:  # no run could be forked from it again: it would only wait for its idle time
+                print(f"warm server: {stale}; stopping", flush=True)
+                return 0
         listener.settimeout(1.0)
         try:
             conn, _ = listener.accept()
@@ -211,6 +222,18 @@ def _bind(path: str) -> socket.socket | None:
     os.chmod(path, 0o600)
     listener.listen(8)
     return listener
+
+
+def _gone(listener: socket.socket, where: os.stat_result) -> str | None:
+    """Why no run can reach this server any more (its socket file was removed or replaced), or None."""
+    path = listener.getsockname()
+    try:
+        st = os.stat(path)
+    except OSError:
+        return f"its socket {path} was removed"
+    if (st.st_dev, st.st_ino) != (where.st_dev, where.st_ino):
+        return f"its socket {path} was replaced"
+    return None
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
