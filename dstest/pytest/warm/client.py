@@ -32,6 +32,7 @@ class WarmState:
     env: dict[str, str] = field(default_factory=dict)
     origins: dict[str, str] = field(default_factory=dict)
     origins_at_end: dict[str, str] = field(default_factory=dict)
+    args: list[str] = field(default_factory=list)  # the invocation's arguments
 
 
 def _cold_reason(config: Any) -> str | None:
@@ -61,32 +62,32 @@ def hand_over(config: Any) -> WarmState:
     key = server_key(args, cwd, env)
     reason = _cold_reason(config)
     if reason is not None:
-        return WarmState(key, reason)
+        return WarmState(key, reason, args=args)
     try:
         path = socket_path(key)
     except OSError as exc:
-        return WarmState(key, str(exc))
+        return WarmState(key, str(exc), args=args)
     sock = socket.socket(socket.AF_UNIX)
     try:
         sock.connect(path)
     except OSError:
         sock.close()
-        return WarmState(key, "no warm server for this directory, environment and plugins yet")
+        return WarmState(key, "no warm server for this directory, environment and plugins yet", args=args)
     request = _request(config, args, cwd, env)
     if isinstance(request, str):
         sock.close()
-        return WarmState(key, request)
+        return WarmState(key, request, args=args)
     with sock, sock.makefile("rb") as replies:
         try:
             send(sock, request, [0, 1, 2])
             reply = read(replies)
         except OSError as exc:
-            return WarmState(key, f"the warm server did not answer ({exc})")
+            return WarmState(key, f"the warm server did not answer ({exc})", args=args)
         if "closed" in reply:
-            return WarmState(key, "the warm server closed the connection")
+            return WarmState(key, "the warm server closed the connection", args=args)
         if "declined" in reply:
-            return WarmState(key, str(reply["declined"]))
-        return WarmState(key, _follow(replies, int(reply["pid"])))
+            return WarmState(key, str(reply["declined"]), args=args)
+        return WarmState(key, _follow(replies, int(reply["pid"])), args=args)
 
 
 def _request(config: Any, args: list[str], cwd: str, env: dict[str, str]) -> dict[str, Any] | str:
@@ -149,6 +150,16 @@ def _preload_of_this_run() -> list[str]:
     return [n for n in names if n != "__main__"]
 
 
+def _pools_of_this_run() -> list[int]:
+    """The world sizes of the process world's gloo pools alive now (at the end of a cold run: those its
+    tests used)."""
+    if "dstest.worlds.process.pool_cache" not in sys.modules:
+        return []
+    from dstest.worlds.process.pool_cache import pool_pids
+
+    return sorted(ws for backend, ws in pool_pids() if backend == "gloo")
+
+
 def start_server(state: WarmState) -> str:
     """After a cold run: start its server in the background unless one already serves its key. Returns a
     line for the terminal."""
@@ -175,6 +186,9 @@ def start_server(state: WarmState) -> str:
         "origins": state.origins,
         # what pytest rewrote in this run of the packages of plugins installed by entry point (hypothesis)
         "rewritten": sorted(n for n in rewritten if n in sys.modules and n in state.origins_at_end),
+        # the process world's pools this run used, which a later run with the same arguments starts at once
+        "args": state.args,
+        "pools": _pools_of_this_run(),
     }
     directory = os.path.dirname(path)
     spec_path = os.path.join(directory, f"{state.key}.json")

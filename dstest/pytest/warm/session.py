@@ -67,6 +67,8 @@ def run_session(conn: socket.socket, listener: socket.socket, spec: dict[str, An
     # run's standard streams, as a fork server started by the run would have.
     fork_server_from_here(spec["preload"], close_in_server=[conn.fileno()])
     os.chdir(request["cwd"])
+    if request["args"] == spec.get("args"):
+        _prestart_pools(spec.get("pools") or [], spec["env"])
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = list(request["argv"])
@@ -88,6 +90,28 @@ def run_session(conn: socket.socket, listener: socket.socket, spec: dict[str, An
             sys.stderr.flush()
         _CHILD.send({"exit": code})
         os._exit(code)
+
+
+def _prestart_pools(world_sizes: list[int], env: dict[str, str]) -> None:
+    """Start the pools the cold run's tests used, without waiting, for a run of the same arguments: their
+    workers form their groups while pytest starts, configures and collects, instead of in the first test
+    that needs them. A pool's workers take the environment of the moment it starts: the one the cold run
+    had once configured, which this session must still have once configured (else it declines, and the
+    pools end with it)."""
+    if not world_sizes:
+        return
+    from dstest.worlds.process import ProcessWorld
+
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        ProcessWorld().prestart(world_sizes)
+    except Exception as exc:  # the first test starts its pool, as without this, and reports what fails
+        print(f"dstest warm: the pools of {world_sizes} ranks were not started ahead: {exc!r}", file=sys.stderr)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def _text_stream(fd: int, encoding: str | None, errors: str | None) -> Any:
