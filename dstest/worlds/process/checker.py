@@ -141,12 +141,19 @@ class Checker:
         """Close this rank's run with the referee; returns (the error the run must fail with, why the
         worker is unusable), both None when everything this rank posted was matched and waited."""
         summary = "" if failure is None else f"{type(failure).__name__}: {failure}".splitlines()[0][:300]
+        with self.lock:
+            answered = all(rec.event.is_set() for rec in self.posted)
+        # The referee's acknowledgement comes after every verdict it sent this rank, so waiting for it is
+        # what makes a verdict still on its way count below. When every call this rank posted was answered,
+        # nothing the referee sends can change this rank's end: it neither waits nor asks for one (a round
+        # trip through the parent per run, issue 44 item 4). The referee still hears of the end, for the
+        # peers that need it.
         try:
-            self._send(("done", self.run_id, failure is None, summary))
+            self._send(("done", self.run_id, failure is None, summary, not answered))
         except (EOFError, OSError):
             self.run_id = 0
             return None, "the check channel to the parent is closed"
-        acked = self.acked.wait(_CHECK_ACK_S)
+        acked = answered or self.acked.wait(_CHECK_ACK_S)
         with self.lock:
             posted = list(self.posted)
             raised = list(self.raised)

@@ -68,13 +68,13 @@ class Referee:
             if (rank, msg[2]) in self.pending:
                 self.states.wait(rank, msg[2])
                 self._detect_deadlock()
-        elif kind == "done":
-            self._done(rank, bool(msg[2]), str(msg[3]))
+        elif kind == "done":  # its last field: whether the rank waits for an acknowledgement (without it: yes)
+            self._done(rank, bool(msg[2]), str(msg[3]), ack=bool(msg[4]) if len(msg) > 4 else True)
         elif kind == "killed":  # an injected Kill: the worker kills itself right after this message
             self.states.kill(rank, msg[2])
             if len(msg) > 3 and msg[3] is not None:
                 self.tallies[rank] = msg[3]
-            self._done(rank, False, "")
+            self._done(rank, False, "", ack=False)  # it is dead by now
 
     def _send(self, rank: int, msg: tuple[Any, ...]) -> None:
         with contextlib.suppress(EOFError, OSError):
@@ -176,7 +176,7 @@ class Referee:
         self._ok(recv.rank, recv.post_id)
 
     # -- ranks leaving, deadlocks ---------------------------------------------------------------------------
-    def _done(self, rank: int, ok: bool, summary: str) -> None:
+    def _done(self, rank: int, ok: bool, summary: str, ack: bool) -> None:
         kind, phrase = self.states.leave(rank, ok, summary)
         for ex in list(self.exchanges.values()):
             if rank in ex.global_ranks and ex.error is None:  # its own side stays unanswered: it reports that
@@ -185,7 +185,8 @@ class Referee:
         for (r, post_id), (what, _key, peer, p2p_kind) in list(self.pending.items()):
             if r != rank and peer == rank:
                 self._fail(r, post_id, kind, matching.p2p_left_text(r, what, p2p_kind, rank, phrase))
-        self._send(rank, ("ack", self.run_id))
+        if ack:
+            self._send(rank, ("ack", self.run_id))
         self._detect_deadlock()
 
     def _needs(self, rank: int, post_id: int) -> list[int]:
