@@ -174,15 +174,7 @@ class ThreadedWorld:
                         turns.give()
                     phase.done(rank)
 
-            members = parked.take(world_size) if world_size >= parked.PARK_FROM else None
-            threads = (
-                [p.thread for p in members]
-                if members is not None
-                else [
-                    threading.Thread(target=rank_main, args=(r,), name=f"{_THREAD_PREFIX}{r}", daemon=True)
-                    for r in range(world_size)
-                ]
-            )
+            threads, members = _threads_for(world_size, rank_main)
             notes = ""
             try:
                 try:
@@ -197,15 +189,36 @@ class ThreadedWorld:
                 raise
             finally:
                 paused.release()  # a rank whose start failed never reports started
-            grace = self.grace if notes else 0.5
-            if members is None:
-                left = reap(threads, grace)
-            else:
-                clean_run = not notes and rendezvous.aborted is None
-                left = parked.give_back(members, grace, reuse=clean_run)
+            left = _end_threads(
+                threads, members, self.grace if notes else 0.5, not notes and rendezvous.aborted is None
+            )
             if left and not notes:
                 notes = f"\nthreads that could not be stopped (stuck in C code; never reused): {left}"
         return finish_run(rendezvous, outcome, notes)
+
+
+def _threads_for(
+    world_size: int, rank_main: Callable[[int], None]
+) -> tuple[list[threading.Thread], list[parked.ParkedThread] | None]:
+    """The run's threads, not started: new ones, or parked ones for a world of ``PARK_FROM`` ranks or more."""
+    if world_size >= parked.PARK_FROM:
+        members = parked.take(world_size)
+        return [p.thread for p in members], members
+    threads = [
+        threading.Thread(target=rank_main, args=(r,), name=f"{_THREAD_PREFIX}{r}", daemon=True)
+        for r in range(world_size)
+    ]
+    return threads, None
+
+
+def _end_threads(
+    threads: list[threading.Thread], members: list[parked.ParkedThread] | None, grace: float, clean: bool
+) -> list[str]:
+    """After the run: new threads end, parked ones are parked again (``clean``: no abort, nothing stuck).
+    Returns the names of threads that could not be stopped."""
+    if members is None:
+        return reap(threads, grace)
+    return parked.give_back(members, grace, reuse=clean)
 
 
 def _start(threads: list[threading.Thread], members: list[parked.ParkedThread] | None, rank_main: Any) -> None:
