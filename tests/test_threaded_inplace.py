@@ -54,7 +54,7 @@ def test_one_tensor_shared_by_every_rank_reduces_as_w_processes_would(n: int) ->
 
 def test_the_aliasing_check_is_what_keeps_a_shared_tensor_right(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the storage check the in-place fold reads what it already wrote: the check can fail."""
-    monkeypatch.setattr(reducing, "outputs_apart", lambda outs, inps: True)  # where AllReduce reads it
+    monkeypatch.setattr(reducing, "storages_apart", lambda ts: True)  # where AllReduce reads it
     shared = torch.ones(LARGE)
 
     def body(ctx: Any, t: torch.Tensor) -> None:

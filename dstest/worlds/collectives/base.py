@@ -33,6 +33,7 @@ __all__ = [
     "raw_writes",
     "reduce_into",
     "reduce_tensors",
+    "storages_apart",
 ]
 
 
@@ -207,6 +208,18 @@ def outputs_apart(outs: Sequence[torch.Tensor], inps: Sequence[torch.Tensor]) ->
         return not any(_storage_ptr(i) in mine for i in inps)
     except (RuntimeError, NotImplementedError):
         return False
+
+
+def storages_apart(ts: Sequence[torch.Tensor]) -> bool:
+    """Whether no two of ``ts`` share storage (:func:`outputs_apart` with no inputs), the storage pointers
+    read inline: one Python call per collective instead of one per rank (all_reduce's in-place check)."""
+    seen: set[int] = set()
+    try:
+        for t in ts:  # a loop, not a set comprehension: no frame of its own
+            seen.add(int(t.data_ptr() - t.storage_offset() * t.element_size()))
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts: not apart
+        return False
+    return len(seen) == len(ts)
 
 
 def is_large(t: torch.Tensor) -> bool:

@@ -24,9 +24,11 @@ from dstest.worlds.collectives.base import (
     is_large,
     outputs_apart,
     premultiplied,
+    raw,
     reduce_into,
     reduce_tensors,
     shapes_text,
+    storages_apart,
 )
 from dstest.worlds.core.matching import signature as _sig
 
@@ -35,7 +37,8 @@ class AllReduce(Call):
     op = "all_reduce"
 
     def __init__(self, group_rank: int, group_size: int, tensor: torch.Tensor, reduce_op: str) -> None:
-        super().__init__(group_rank, group_size)
+        self.group_rank = group_rank  # Call.__init__'s two fields set here directly: the hottest collective
+        self.group_size = group_size
         self.tensor = tensor
         self.reduce_op = reduce_op
 
@@ -47,7 +50,8 @@ class AllReduce(Call):
             raise InvalidArgument(f"all_reduce op={self.reduce_op!r}; allowed: {sorted(REDUCE_OPS)}")
 
     def key(self) -> tuple[Any, ...]:
-        return (*super().key(), self.sig(self.tensor))
+        # Call.key's fields and the tensor's signature in one tuple (Reduce adds its root through self.root)
+        return (self.op, self.reduce_op, self.root, _sig(self.tensor, self.strict_shapes))
 
     def combine(self, calls: Sequence[Call]) -> list[Any]:
         assert self.reduce_op is not None
@@ -57,7 +61,7 @@ class AllReduce(Call):
     def deliver(self, calls: Sequence[Call]) -> dict[int, BaseException]:
         ts: list[torch.Tensor] = [c.tensor for c in calls]  # type: ignore[attr-defined]
         first = ts[0]
-        if self.reduce_op == "premul_sum" or not (first.is_contiguous() and outputs_apart(ts, ())):
+        if self.reduce_op == "premul_sum" or not (first.is_contiguous() and storages_apart(ts)):
             return super().deliver(calls)
         # In place at every size (the aliasing check costs less than the staging copy; a group of one
         # rank then moves nothing): fold into rank 0's tensor, whose own input is the first operand, then
@@ -67,8 +71,9 @@ class AllReduce(Call):
         result = reduce_into(self.reduce_op, first, ts[1:], len(ts))
         if result is not first:
             copy_flat(first, result)
-        for t in ts[1:]:
-            copy_flat(t, first)
+        src, shape = raw(first), first.shape
+        for t in ts[1:]:  # copy_flat(t, first), its calls inline
+            raw(t).copy_(src if t.shape == shape else src.reshape(t.shape))
         return {}
 
     def finish(self, source: Any) -> None:

@@ -14,6 +14,7 @@ The threaded and the fake world share this module; they differ in the rendezvous
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -114,6 +115,25 @@ class WorldTables:
         self.key = RanksKey(self.ranks)
 
 
+#: Exchange ids (:func:`exchange_id`), unique in the process: ``next`` on a count is atomic in CPython.
+_EXCHANGE_IDS = itertools.count()
+
+
+def exchange_id(session: Any, key: Any) -> int:
+    """The number every rank's group with ``key`` (name and global ranks) posts its collectives under in
+    ``session``'s rendezvous: its exchanges are looked up by ``(number, seq)``, a pair of ints that hashes
+    in C, where ``(key, seq)`` called ``RanksKey.__hash__`` in Python three times per rank and collective.
+    Made once per key and session by the first group with it (``setdefault`` is atomic: ranks creating
+    the same group at once get the same number)."""
+    ids = session.__dict__.get("_exchange_ids")
+    if ids is None:
+        ids = session.__dict__.setdefault("_exchange_ids", {})
+    found = ids.get(key)
+    if found is None:
+        found = ids.setdefault(key, next(_EXCHANGE_IDS))
+    return found  # type: ignore[no-any-return]
+
+
 def world_tables(session: Any) -> WorldTables:
     """The tables of ``session``'s world, made by the first rank that asks (``setdefault`` is atomic)."""
     tables = session.__dict__.get("_world_tables")
@@ -198,6 +218,7 @@ class Group(DispatchedGroup):
         tables = session.__dict__.get("_world_tables")
         same = tables is not None and global_ranks is tables.ranks
         self.key = (name, tables.key if same else RanksKey(global_ranks))
+        self.xid = exchange_id(session, self.key)
         self.label = "world" if len(global_ranks) == session.world_size and name == "0" else f"{name} {global_ranks}"
         self._seq = 0
         self._group_name = name
@@ -325,13 +346,14 @@ class Group(DispatchedGroup):
     def _issue_c10d(self, method: c10d.Method, args: dict[str, Any]) -> Work:
         """One c10d method (``method``, with its arguments by name), for the calling rank's group."""
         g = self._acting()
-        if method.kind == "p2p":
+        kind = method.kind
+        if kind == "p2p":
             t = c10d.one_tensor(args["tensors"], method.name)
             peer = args[method.params[1]]
             return Work(g.session.post_p2p(g, method.name, t, int(peer), int(args["tag"])))
         if args["opts"] is None:
             args["opts"] = torch_internals.c10d_options(method.options)
-        if method.kind == "coalesced":
+        if kind == "coalesced":
             # Coalesced forms run as consecutive collectives on the group, in list order, on every rank.
             part = getattr(g, method.part)
             for work in [part(o, i, args["opts"]) for o, i in zip(args["outputs"], args["inputs"])]:
@@ -339,11 +361,12 @@ class Group(DispatchedGroup):
             return Work(Done(g.session, g.owner, args["outputs"]))
         assert method.args is not None
         call_args = method.args(_TENSORS, args)
-        if g.session.faults is not None:  # a run with injected faults (contract G5): count, maybe fire
+        session = g.session
+        if session.faults is not None:  # a run with injected faults (contract G5): count, maybe fire
             work = g._post_with_faults(method.op, C.CALLS[method.op](g.rank_, g.size_, *call_args))
-        else:
-            work = g._post(C.CALLS[method.op](g.rank_, g.size_, *call_args))
-        if method.kind != "flat":
+        else:  # g._post, inline
+            work = Work(session.arrive(g, C.CALLS[method.op](g.rank_, g.size_, *call_args)))
+        if kind != "flat":
             return work
         work.wait()  # the flat buffer is a copy: its result goes back into the caller's tensors
         flat, offset = call_args[0], 0
@@ -359,4 +382,3 @@ class Group(DispatchedGroup):
             "dist.monitored_barrier is implemented by torch for the gloo backend only (torch's own limit); "
             "use dist.barrier() in the threaded world, or world='process' (gloo) for monitored_barrier"
         )
-

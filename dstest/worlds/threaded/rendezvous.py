@@ -40,8 +40,11 @@ from dstest.worlds.threaded.hazards import guard_call, guard_recv
 from dstest.worlds.threaded.turns import Turns
 from dstest.worlds.threaded.waits import CollectiveWait, P2PWait, Waitable
 from dstest.worlds.torch_internals import hash_store
+from dstest.worlds.torch_internals.raw_writes import below_autograd
 
 __all__ = ["Rendezvous"]
+
+_NO_CHECK_ALL = C.Call.check_all
 
 
 class Rendezvous(Departures):
@@ -129,23 +132,26 @@ class Rendezvous(Departures):
         call.check_local()
         if self.strict_shapes:  # the class default is False
             call.strict_shapes = True
-        seq = group.next_seq()
-        key = (group.key, seq)
+        seq = group._seq = group._seq + 1  # Group.next_seq, inline: once per rank and collective
+        key = (group.xid, seq)  # two ints: hashed in C (see group.exchange_id)
         mine = call.key()  # outside the lock
         record = self.recorder.collective(group, call, seq, group.owner)
         after = guard_call(call) if self.hazards else None
         with self.lock:
             if self.aborted is not None:
                 self._check_alive()
-            ex = self.exchanges.get(key)
+            exchanges = self.exchanges
+            ex = exchanges.get(key)
             if ex is None:
                 ex = self.failed_exchanges.get(key) if self.fired else None
                 if ex is None:
-                    ex = self.exchanges[key] = Exchange(group.global_ranks, group.label, seq)
+                    ex = exchanges[key] = Exchange(group.global_ranks, group.label, seq)
             wait = CollectiveWait(self, ex.global_ranks[call.group_rank], call, ex)
-            wait.record, wait.after = record, after
+            wait.record = record
+            if after is not None:
+                wait.after = after
             if fail is not None:  # a Fail fault: this collective fails on every rank that joins it
-                del self.exchanges[key]
+                del exchanges[key]
                 self._fail_exchange(ex, InjectedFault(failed_text(fail, ex.where)))
                 self.failed_exchanges[key] = ex
             if ex.error is not None:
@@ -165,7 +171,7 @@ class Rendezvous(Departures):
                     if gone is not None:
                         self._doom_waits_needing(gone)
                 return wait
-            del self.exchanges[key]
+            del exchanges[key]
         self._complete(ex)
         return wait
 
@@ -179,11 +185,12 @@ class Rendezvous(Departures):
         error: BaseException | None = None
         failed: dict[int, BaseException] = {}
         try:
-            why = ex.verdict()
+            # Exchange.verdict asks Call.check_all, which only some collectives have (not all_reduce's)
+            why = ex.verdict() if type(calls[0]).check_all is not _NO_CHECK_ALL else None
             if why is not None:
                 error = CollectiveMismatch(why)
             else:
-                with C.raw_writes():
+                with below_autograd():  # C.raw_writes(), one call less
                     failed = calls[0].deliver(calls)
                 if calls[0].version_bumps:
                     calls[0].bump_versions([c for c in calls if c.group_rank not in failed] if failed else calls)
