@@ -62,6 +62,7 @@ def test_a_crosscheck_sample_takes_the_same_cases_every_run():
 @pytest.mark.parametrize("value", ["0", "101", "half", "-5%", ""])
 def test_a_bad_crosscheck_value_is_a_usage_error(pytester: pytest.Pytester, value: str) -> None:
     pytester.makepyfile(CROSSCHECK_FILE)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--dstest-crosscheck={value}")
+    # In this process: pytest refuses the value while parsing its arguments, before any test or world runs.
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", f"--dstest-crosscheck={value}")
     result.stderr.fnmatch_lines(["*--dstest-crosscheck=*give 'all' or a percent of the threaded cases*"])
     assert result.ret != 0
