@@ -74,8 +74,10 @@ def raw(t: torch.Tensor) -> torch.Tensor:
 def copy_tensors(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
     """``dst.copy_(src)`` for each pair, as bytes (:func:`raw`); many small tensors in one call of torch's
     foreach copy."""
-    dsts = [raw(d) for d in dsts]
-    srcs = [raw(s if s.shape == d.shape else s.reshape(d.shape)) for d, s in zip(dsts, srcs)]  # flat buffers
+    bool_ = torch.bool  # raw(), inline: no Python call per tensor (a list all_gather copies W^2 of them)
+    dsts = [d.view(torch.uint8) if d.dtype == bool_ else d for d in dsts]
+    srcs = [s if s.shape == d.shape else s.reshape(d.shape) for d, s in zip(dsts, srcs)]  # flat buffers
+    srcs = [s.view(torch.uint8) if s.dtype == bool_ else s for s in srcs]
     if len(dsts) > 8:
         try:
             foreach_copy(list(dsts), srcs)

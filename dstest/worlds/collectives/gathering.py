@@ -16,6 +16,7 @@ from dstest.errors import InvalidArgument
 from dstest.worlds.collectives.base import (
     Call,
     SingleTensorCall,
+    bump_versions,
     check_root,
     copy_flat,
     copy_tensors,
@@ -24,8 +25,11 @@ from dstest.worlds.collectives.base import (
     is_large,
     shapes_text,
     storage_of,
+    storages_apart,
 )
 from dstest.worlds.core.matching import signature as _sig
+
+_NUMEL = torch.Tensor.numel
 
 
 class _IntoList(Call):
@@ -44,6 +48,13 @@ class _IntoList(Call):
 
     def outputs(self) -> list[torch.Tensor]:
         return self.outs
+
+    def bump_versions(self, calls: Sequence[Call]) -> None:
+        # W outputs per rank, W^2 in all: each rank's in one call into torch where no two of them share a
+        # storage (only tensors of one storage can share a version counter), else one at a time.
+        for c in calls:
+            outs = c.outputs()
+            bump_versions(outs, self.version_bumps, apart=storages_apart(outs))
 
 
 class AllGather(_IntoList):
@@ -73,7 +84,13 @@ class AllGather(_IntoList):
 
     def key(self) -> tuple[Any, ...]:
         # The input's dtype and device type (ranks may bring other sizes), and every rank's output size.
-        return (*super().key(), self.sig(self.inp)[::2], tuple(self.sig(o)[1] for o in self.outs))
+        if self.strict_shapes:
+            return (*super().key(), self.sig(self.inp)[::2], tuple(self.sig(o)[1] for o in self.outs))
+        try:  # the sizes of W tensors without a Python call per tensor (sig's [1] when not strict)
+            sizes = tuple(map(_NUMEL, self.outs))
+        except TypeError:  # the process world's metadata: not tensors
+            sizes = tuple(self.sig(o)[1] for o in self.outs)
+        return (*super().key(), self.sig(self.inp)[::2], sizes)
 
     def check_all(self, calls: Sequence[Call]) -> str | None:
         for i, c in enumerate(calls):
