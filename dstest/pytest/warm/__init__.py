@@ -28,8 +28,12 @@ How it works:
   over). Modules of pytest plugins installed by entry points are not imported by the server: pytest
   rewrites their assertions as it imports them, which it cannot do to a module already imported.
 
-The header of every ``--dstest-warm`` run says which it was. The server exits after
-``DSTEST_WARM_IDLE`` seconds without a run (default 1800); ``python -m dstest.pytest.warm --stop`` stops
+The ini setting ``dstest_warm = true`` makes every run of a project a warm one without the option
+(``--dstest-no-warm`` runs one cold, starting nothing). A run with the cold run's arguments also starts the
+process world's pools that run used as soon as its session is forked, so that they form while pytest starts.
+The header of every warm run says which it was. The server exits after ``DSTEST_WARM_IDLE`` seconds without a
+run (default 1800), and, checking every ``DSTEST_WARM_WATCH`` seconds (default 10) while no session runs, as
+soon as a file it imported changed or its socket was removed; ``python -m dstest.pytest.warm --stop`` stops
 this user's servers. Its files (socket, log) are under ``DSTEST_WARM_DIR`` (default
 ``$TMPDIR/dstest-warm-<uid>``).
 
