@@ -26,6 +26,14 @@ _LOCAL = threading.local()
 _VAR: contextvars.ContextVar[int | None] = contextvars.ContextVar("dstest_parked_test", default=None)
 
 
+@pytest.fixture(autouse=True)
+def _parking(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Parked threads are opt-in; each test ends them."""
+    monkeypatch.setenv("DSTEST_PARKED_THREADS", "16384")
+    yield
+    parked.shutdown_parked()
+
+
 def cold(body: Any) -> list[Any]:
     return ThreadedWorld(warm=False).run(RunRequest(body, W, timeout=120))
 
@@ -120,6 +128,15 @@ def test_a_thread_left_in_a_torch_mode_is_not_reused() -> None:
     threads[0].join(5)
     assert not threads[0].is_alive()
     assert all(f["state"] == found[1]["state"] for f in found)
+
+
+def test_parked_threads_are_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DSTEST_PARKED_THREADS")
+    threads = cold(lambda ctx: threading.current_thread())
+    assert parked.parked_threads() == 0
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads)
 
 
 def test_parked_thread_cap_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:

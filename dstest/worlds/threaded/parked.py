@@ -1,10 +1,13 @@
-"""Parked threads: the bare threads of large cold runs, kept between runs instead of started and ended each time.
+"""Parked threads: the bare threads of large cold runs, kept between runs instead of started and ended each
+time (opt-in: ``DSTEST_PARKED_THREADS``, default 0).
 
-A cold world of thousands of ranks started a thread per rank and ended it after the run: 0.3 ms a start
-alone, more while the ranks already started compete for the interpreter, and as much again when they end
-(measured in ``benchmarks/bench_scale.py``). Above the warm-thread cap there is no warm crew to serve such
-a world, so its threads are parked instead: a parked thread holds no rank state (no c10d state, default
-group, generator, context), waits for its next rank, and serves a later cold run of any size.
+A cold world of thousands of ranks starts a thread per rank and ends it after the run (0.3 ms a start
+alone, measured in ``benchmarks/bench_scale.py``). Parked, such threads hold no rank state (no c10d state,
+default group, generator, context), wait for their next rank, and serve a later cold run of 128 ranks or
+more. Off by default: measured at 4096 ranks on a loaded 2-core machine, handing 4096 parked threads their
+ranks took 2 ms a thread (7.5-10 s until every rank had started, one thread after another as
+``Thread.start`` does), against 0.4 ms a new thread: a parked thread's wake-up waits for a CPU, where a new
+thread's start did not (the cause is not known yet).
 
 A thread serves each rank as a new thread would: the rank's function runs in a fresh ``contextvars``
 context, and afterwards the thread's ``threading.local`` values and per-thread caches are dropped
@@ -14,8 +17,8 @@ thread_state`: dispatch keys, mode stacks, inference mode, autocast) is compared
 its start. A thread whose state differs ends instead of parking; so do the threads of a run that was
 aborted, timed out or interrupted (an exception raised into a thread may still be on its way).
 
-At most :func:`parked_thread_cap` threads are kept (``DSTEST_PARKED_THREADS``); :func:`shutdown_parked`
-ends them (the session's end, interpreter exit, ``ThreadedWorld.close()``).
+At most :func:`parked_thread_cap` threads are kept; :func:`shutdown_parked` ends them (the session's end,
+interpreter exit, ``ThreadedWorld.close()``).
 """
 
 from __future__ import annotations
@@ -45,17 +48,21 @@ __all__ = [
     "take",
 ]
 
-#: Cold worlds of this many ranks and more run on parked threads (smaller worlds start and end their own:
-#: a start costs little there, and their threads are gone when the run returns).
+#: Cold worlds of this many ranks and more run on parked threads when the cap allows any (smaller worlds
+#: start and end their own: a start costs little there, and their threads are gone when the run returns).
 PARK_FROM = 128
 
 _PARKED_PREFIX = "dstest-parked"
+
+#: Seconds :meth:`ParkedThread.serve` waits for its thread to take a task before it goes on.
+_TAKE_S = 5.0
 _ids = itertools.count(1)
 
 
 def parked_thread_cap() -> int:
-    """How many parked threads this process keeps at most (``DSTEST_PARKED_THREADS``, default 16384; 0: none)."""
-    raw = os.environ.get("DSTEST_PARKED_THREADS", "16384")
+    """How many parked threads this process keeps at most (``DSTEST_PARKED_THREADS``, default 0: none, every
+    cold run starts and ends its own threads)."""
+    raw = os.environ.get("DSTEST_PARKED_THREADS", "0")
     try:
         cap = int(raw)
     except ValueError:
@@ -76,6 +83,7 @@ class ParkedThread:
     def __init__(self) -> None:
         self.tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.idle = threading.Event()  # its task (if any) is over and the thread is clean again
+        self._taken = threading.Lock()  # held by ``serve`` until the thread has its task
         self.clean = True  # False once a task left state behind: the thread ends
         self.name = f"{_PARKED_PREFIX}{next(_ids)}"
         self.thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
@@ -86,6 +94,7 @@ class ParkedThread:
         grad, threads = torch.is_grad_enabled(), torch.autograd.is_multithreading_enabled()
         try:
             while (task := self.tasks.get()) is not None:
+                self._taken.release()
                 try:
                     _as_new_thread(task)
                 finally:
@@ -101,10 +110,18 @@ class ParkedThread:
             self.idle.set()
 
     def serve(self, task: Callable[[], None], name: str) -> None:
-        """Run ``task`` next, the thread named ``name`` meanwhile (rank threads are named after their rank)."""
+        """Run ``task`` next, the thread named ``name`` meanwhile (rank threads are named after their rank);
+        returns once the thread has it.
+
+        As ``Thread.start`` waits for its thread: handed out all at once, thousands of tasks woke thousands of
+        threads together, each waiting for the interpreter to reach its first lock (measured at 4096 ranks:
+        12-34 s until every rank had started, against 1.6 s for new threads)."""
         self.idle.clear()
         self.thread.name = name
+        self._taken.acquire()
         self.tasks.put(task)
+        self._taken.acquire(timeout=_TAKE_S)  # a thread slower than that (a loaded machine) is not waited for
+        self._taken.release()
 
     def end(self) -> None:
         self.tasks.put(None)

@@ -79,9 +79,9 @@ class ThreadedWorld:
 
     ``warm=True`` keeps the rank threads and their default group between runs (a run costs a rendezvous,
     not a world's start-up); a failing run retires them, and :func:`shutdown_all` stops the rest. At most
-    :func:`warm_thread_cap` threads are kept. With ``warm=False`` every run starts and ends its own threads, but
-    for a world of :data:`~.parked.PARK_FROM` ranks or more: those run on parked threads, bare threads kept
-    between cold runs (:mod:`.parked`), each serving its rank as a new thread would.
+    :func:`warm_thread_cap` threads are kept. With ``warm=False`` every run starts and ends its own threads
+    (with ``DSTEST_PARKED_THREADS`` set, a world of :data:`~.parked.PARK_FROM` ranks or more runs on parked
+    threads instead: bare threads kept between cold runs, :mod:`.parked`).
     """
 
     name = "threaded"
@@ -201,7 +201,7 @@ def _threads_for(
     world_size: int, rank_main: Callable[[int], None]
 ) -> tuple[list[threading.Thread], list[parked.ParkedThread] | None]:
     """The run's threads, not started: new ones, or parked ones for a world of ``PARK_FROM`` ranks or more."""
-    if world_size >= parked.PARK_FROM:
+    if world_size >= parked.PARK_FROM and parked.parked_thread_cap() > 0:
         members = parked.take(world_size)
         return [p.thread for p in members], members
     threads = [
