@@ -17,6 +17,14 @@ _MODULES = (
     "torch.testing._internal.common_fsdp",
     "torch.distributed.checkpoint",
     "torch.distributed.tensor.parallel",
+    # What every rank of a process-based test imports on its first run, measured on a warm worker: the
+    # bases' device helpers and this plugin's rank side. Imported here, the first test waits only for its own
+    # module (0.3-1.3 s less on 2 busy cores, four workers importing at once).
+    "torch.testing._internal.common_cuda",
+    "torch.testing._internal.common_device_type",
+    "dstest.compat._torch_rank",
+    "dstest.compat._torch_reset",
+    "dstest.compat._warm_run",
 )
 
 for _name in _MODULES:
