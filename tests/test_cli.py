@@ -94,9 +94,7 @@ def test_glob_selects_by_contract(capsys):
 
 
 def _pytest_counts(pytester: pytest.Pytester, *args: str) -> dict[str, int]:
-    # In this process: the counts are what is compared, not a fresh interpreter's start (the bundled specs and
-    # torch are imported here already, as the CLI route above imported them).
-    result = pytester.runpytest_inprocess(cli.specs_path(), "-p", "no:cacheprovider", *args)
+    result = pytester.runpytest_subprocess(cli.specs_path(), "-p", "no:cacheprovider", *args)
     return result.parseoutcomes()
 
 
