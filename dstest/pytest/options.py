@@ -178,20 +178,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     _add_observation_options(group)
     _add_compat_options(group, parser)
-    parser.addini(
-        INI_WARM,
-        type="bool",
-        default=False,
-        help=f"dstest: every run as with {OPT_WARM} (a warm server kept between runs; {OPT_NO_WARM} runs one "
-        "cold; python -m dstest.pytest.warm --stop stops the servers)",
-    )
-    parser.addini(
-        INI_DESELECT_SOAK,
-        type="bool",
-        default=False,
-        help="dstest: deselect items marked soak unless -m names soak (default false: a project's own soak "
-        "marker is left alone)",
-    )
+    _add_warm_options(group, parser)
 
 
 def _add_compat_options(group: Any, parser: pytest.Parser) -> None:
@@ -275,6 +262,10 @@ def _add_observation_options(group: Any) -> None:
         help="also run these threaded cases (all, or a sample of N percent, the same cases run after run) on the "
         "process world and fail on any difference in verdict, per-rank results or collective traces (dstest.crosscheck)",
     )
+
+
+def _add_warm_options(group: Any, parser: pytest.Parser) -> None:
+    """The warm server's options and ini setting (dstest.pytest.warm), and the soak marker's setting."""
     group.addoption(
         OPT_WARM,
         action="store_true",
@@ -290,4 +281,18 @@ def _add_observation_options(group: Any) -> None:
         action="store_false",
         dest="dstest_warm",
         help=f"run in this process, neither handed to a warm server nor starting one, whatever {INI_WARM} says",
+    )
+    parser.addini(
+        INI_WARM,
+        type="bool",
+        default=False,
+        help=f"dstest: every run as with {OPT_WARM} (a warm server kept between runs; {OPT_NO_WARM} runs one "
+        "cold; python -m dstest.pytest.warm --stop stops the servers)",
+    )
+    parser.addini(
+        INI_DESELECT_SOAK,
+        type="bool",
+        default=False,
+        help="dstest: deselect items marked soak unless -m names soak (default false: a project's own soak "
+        "marker is left alone)",
     )

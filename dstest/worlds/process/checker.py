@@ -159,6 +159,27 @@ class Checker:
             raised = list(self.raised)
             self.run_id = 0  # late verdicts of this run are dropped from here on
         unhealthy = None if acked else f"the referee did not acknowledge the end of the run within {_CHECK_ACK_S:g} s"
+        problems, unhealthy = self._left_behind(posted, unhealthy)
+        if failure is not None:
+            return None, unhealthy
+        if problems:
+            return (
+                UnfinishedWork(f"rank {self.rank} finished its function with work left behind: " + "; ".join(problems)),
+                unhealthy,
+            )
+        if raised:
+            return (
+                CollectiveMismatch(
+                    f"rank {self.rank}: a collective mismatch was raised and caught by the code under test, "
+                    f"which then finished normally; the world still fails: {raised[0]}"
+                ),
+                unhealthy,
+            )
+        return None, unhealthy
+
+    def _left_behind(self, posted: list[PostedCall], unhealthy: str | None) -> tuple[list[str], str | None]:
+        """What this rank's posted calls left at the end of its run (each a report line), and why the worker
+        is unusable (``unhealthy``, or a matched call that did not complete)."""
         problems: list[str] = []
         for rec in posted:
             if not rec.event.is_set():
@@ -182,22 +203,7 @@ class Checker:
                     problems.append(
                         f"{rec.what} was never waited (async_op=True, isend or irecv without wait()){issued}"
                     )
-        if failure is not None:
-            return None, unhealthy
-        if problems:
-            return (
-                UnfinishedWork(f"rank {self.rank} finished its function with work left behind: " + "; ".join(problems)),
-                unhealthy,
-            )
-        if raised:
-            return (
-                CollectiveMismatch(
-                    f"rank {self.rank}: a collective mismatch was raised and caught by the code under test, "
-                    f"which then finished normally; the world still fails: {raised[0]}"
-                ),
-                unhealthy,
-            )
-        return None, unhealthy
+        return problems, unhealthy
 
     # -- posting ------------------------------------------------------------------------------------------
     def post(self, msg: tuple[Any, ...], what: str, issue: Callable[[], Any], record: Any = None) -> PostedCall:
