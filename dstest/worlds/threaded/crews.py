@@ -30,7 +30,15 @@ from dstest.worlds.threaded.failures import Outcome
 from dstest.worlds.threaded.group import rank_process_group
 from dstest.worlds.threaded.thread_shared import ThreadedRendezvous, watch_module_writes
 
-__all__ = ["CREWS", "Crews", "WarmCrew", "kept_warm_threads", "shutdown_all", "warm_thread_cap"]
+__all__ = [
+    "CREWS",
+    "Crews",
+    "WarmCrew",
+    "kept_warm_threads",
+    "shutdown_all",
+    "thread_count_setting",
+    "warm_thread_cap",
+]
 
 _WARM_PREFIX = "dstest-warm"
 _crew_ids = itertools.count(1)
@@ -41,13 +49,18 @@ def warm_thread_cap() -> int:
 
     Crews are evicted least recently used first; a world larger than the cap runs cold.
     """
-    raw = os.environ.get("DSTEST_WARM_THREADS", "256")
+    return thread_count_setting("DSTEST_WARM_THREADS", 256, "no warm crews")
+
+
+def thread_count_setting(name: str, default: int, zero: str) -> int:
+    """The environment setting ``name``, an int >= 0 (``zero`` says what 0 means), refused clearly otherwise."""
+    raw = os.environ.get(name, str(default))
     try:
         cap = int(raw)
     except ValueError:
-        raise InvalidArgument(f"DSTEST_WARM_THREADS={raw!r} must be an int >= 0 (0: no warm crews)") from None
+        cap = -1
     if cap < 0:
-        raise InvalidArgument(f"DSTEST_WARM_THREADS={raw!r} must be an int >= 0 (0: no warm crews)")
+        raise InvalidArgument(f"{name}={raw!r} must be an int >= 0 (0: {zero})")
     return cap
 
 

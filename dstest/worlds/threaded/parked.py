@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextvars
 import itertools
-import os
 import queue
 import threading
 import time
@@ -33,9 +32,9 @@ from collections.abc import Callable
 
 import torch
 
-from dstest.errors import InvalidArgument
 from dstest.worlds import lifecycle, torch_internals
 from dstest.worlds.stopping import reap
+from dstest.worlds.threaded.crews import thread_count_setting
 
 __all__ = [
     "PARK_FROM",
@@ -62,14 +61,7 @@ _ids = itertools.count(1)
 def parked_thread_cap() -> int:
     """How many parked threads this process keeps at most (``DSTEST_PARKED_THREADS``, default 0: none, every
     cold run starts and ends its own threads)."""
-    raw = os.environ.get("DSTEST_PARKED_THREADS", "0")
-    try:
-        cap = int(raw)
-    except ValueError:
-        raise InvalidArgument(f"DSTEST_PARKED_THREADS={raw!r} must be an int >= 0 (0: no parked threads)") from None
-    if cap < 0:
-        raise InvalidArgument(f"DSTEST_PARKED_THREADS={raw!r} must be an int >= 0 (0: no parked threads)")
-    return cap
+    return thread_count_setting("DSTEST_PARKED_THREADS", 0, "no parked threads")
 
 
 def _as_new_thread(task: Callable[[], None]) -> None:
