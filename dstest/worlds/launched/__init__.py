@@ -19,11 +19,14 @@ One run at world size N of a launch of W ranks:
 * The body runs on a thread of each rank; the rank's own thread watches the store. A rank whose body
   raises marks the run failed at once, and the ranks still running stop waiting for it (its group is
   torn down, which fails their pending gloo/NCCL calls). A run past its timeout is stopped on every rank
-  with each rank's stack. Every participant then posts its outcome, and every rank (participant or not)
+  with each rank's stack; the timeout bounds the body and starts once the run's group has formed (each
+  launched rank connects when its own process gets there; forming has its own limit,
+  :func:`~.outcomes.form_limit`). Every participant then posts its outcome, and every rank (participant or not)
   raises the same :class:`~dstest.errors.RankFailure` (every failing rank's traceback) or
   :class:`~dstest.errors.WorldTimeout` (every hung rank's stack), or returns every rank's result.
-* A rank that posts nothing within the timeout plus :data:`REPORT_GRACE_S` (its process is stuck with the
-  interpreter lock held, or gone) is named in the report as silent.
+* A rank that posts nothing within the timeout plus :data:`REPORT_GRACE_S` (plus the forming's limit on a
+  rank outside the run, which asks from the run's start; its process is stuck with the interpreter lock
+  held, or gone) is named in the report as silent.
 
 The store is used only through short calls (set, get, add, check) polled from the rank's own thread, and
 the run's process group gets its own connection to it, so a group forming never delays the watching.

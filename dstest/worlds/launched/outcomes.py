@@ -12,10 +12,20 @@ from typing import Any
 from dstest.errors import RankFailure, WorldAborted, WorldTimeout
 from dstest.worlds.launched.connection import Launch
 
-__all__ = ["REPORT_GRACE_S", "Outcome", "combine", "failure"]
+__all__ = ["FORM_TIMEOUT_S", "REPORT_GRACE_S", "Outcome", "combine", "failure", "form_limit"]
 
 #: Seconds a rank waits past a run's timeout for a peer's outcome before naming it silent.
 REPORT_GRACE_S = 10.0
+
+#: Seconds a run's group may take to form (every participant reaches the spec and connects) at the least; the
+#: run's timeout, which bounds its body, starts once it has formed.
+FORM_TIMEOUT_S = 60.0
+
+
+def form_limit(timeout: float) -> float:
+    """How long a run's group may take to form: :data:`FORM_TIMEOUT_S`, or the run's timeout plus
+    :data:`REPORT_GRACE_S` where that is longer."""
+    return max(FORM_TIMEOUT_S, timeout + REPORT_GRACE_S)
 
 
 @dataclass(frozen=True, repr=False)
@@ -49,14 +59,18 @@ def _exception_of(outcome: Outcome) -> BaseException:
     return unpickle_exception(reply)
 
 
-def combine(launch: Launch, key: str, world_size: int, timeout: float, label: str) -> list[Any]:
+def combine(launch: Launch, key: str, world_size: int, timeout: float, label: str, *, took_part: bool) -> list[Any]:
     """Every participant's outcome of the run (waited for on every rank): the results, or one error.
 
     The error is built from the posted outcomes only, so every rank raises the same one (and pytest, which
-    hides these frames, shows the same report on every rank).
+    hides these frames, shows the same report on every rank). A participant asks once its own run ended,
+    after the group formed on every participant alike, so the others' bodies end within the timeout; a rank
+    that ``took_part`` not asks from the run's start, so it also waits out the group's forming
+    (:func:`form_limit`).
     """
     __tracebackhide__ = True
-    deadline = time.monotonic() + timeout + REPORT_GRACE_S
+    limit = timeout + REPORT_GRACE_S + (0.0 if took_part else form_limit(timeout))
+    deadline = time.monotonic() + limit
     keys = [key + f"out/{r}" for r in range(world_size)]
     missing = launch.wait_for(keys, deadline)
     outcomes: dict[int, Outcome] = {}
@@ -67,8 +81,9 @@ def combine(launch: Launch, key: str, world_size: int, timeout: float, label: st
         outcomes[r] = outcome
     silent = {
         r: (
-            f"rank {r} posted no outcome within {timeout + REPORT_GRACE_S:g} s (the run's timeout plus "
-            f"{REPORT_GRACE_S:g} s): its process is stuck outside Python or gone; no stack"
+            f"rank {r} posted no outcome within {limit:g} s (the run's timeout plus {REPORT_GRACE_S:g} s"
+            f"{'' if took_part else ', after its group had time to form'}): its process is stuck outside "
+            "Python or gone; no stack"
         )
         for r in range(world_size)
         if keys[r] in missing

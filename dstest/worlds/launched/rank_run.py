@@ -11,7 +11,7 @@ from typing import Any
 
 from dstest.errors import WorldAborted
 from dstest.worlds.launched.connection import Launch
-from dstest.worlds.launched.outcomes import REPORT_GRACE_S, Outcome, failure
+from dstest.worlds.launched.outcomes import REPORT_GRACE_S, Outcome, failure, form_limit
 from dstest.worlds.request import RunRequest
 
 __all__ = ["ABORT_GRACE_S", "RankRun"]
@@ -32,21 +32,28 @@ class RankRun:
         self.done = threading.Event()
         self.value: Any = None
         self.error: BaseException | None = None
-        self.formed = False
+        self.formed_at: float | None = None  # time.monotonic() when the run's group formed
 
     def execute(self) -> None:
         launch, rank = self.launch, self.launch.rank
         thread = threading.Thread(target=self._body, name=f"dstest-launched-r{rank}", daemon=True)
-        deadline = time.monotonic() + self.timeout
+        # The timeout bounds the body: its clock starts once the run's group has formed, since each launched
+        # rank connects when its own process gets there (slow on a busy machine); forming has a limit of its
+        # own (form_limit), which is also the group's own timeout (init_process_group's, below).
+        deadline = time.monotonic() + form_limit(self.timeout)
         thread.start()
         failed_key = self.key + "failed"
         stopped = ""
         pause = 0.001
+        formed_seen = False
         while not self.done.wait(pause):
             pause = min(pause * 2, 0.05)
             if launch.has(failed_key):
                 stopped = "aborted"
                 break
+            if not formed_seen and self.formed_at is not None:
+                formed_seen = True
+                deadline = self.formed_at + self.timeout
             if time.monotonic() >= deadline:
                 stopped = "timeout"
                 break
@@ -82,12 +89,12 @@ class RankRun:
                 store=store,
                 rank=rank,
                 world_size=self.world_size,
-                # Past the run's timeout the watching thread has already reported; the backend's own
-                # timeout only has to end calls that nothing else ends.
-                timeout=datetime.timedelta(seconds=self.timeout + REPORT_GRACE_S),
+                # Forming waits up to form_limit; past the run's timeout the watching thread has already
+                # reported, so the backend's own timeout only has to end calls that nothing else ends.
+                timeout=datetime.timedelta(seconds=form_limit(self.timeout)),
                 device_id=launch.device if launch.backend == "nccl" else None,
             )
-            self.formed = True
+            self.formed_at = time.monotonic()
             ctx = RankContext(
                 rank=rank, world_size=self.world_size, world="launched", device=launch.device, seed=self.seed
             )
@@ -132,7 +139,10 @@ class RankRun:
                 err = self.error if self.error is not None else WorldAborted("a peer failed")
                 return failure(rank, err, "aborted", note=f"rank {rank} stopped because another rank failed\n")
         stack = stacks_of([thread]).get(0, "(no stack: the thread ended)\n")
-        if why == "timeout":
+        if why == "timeout" and self.formed_at is None:
+            text = f"rank {rank}'s group for the run had not formed within {form_limit(self.timeout):g} s (a peer "
+            text += f"never connected); its stack:\n{stack}"
+        elif why == "timeout":
             text = f"rank {rank} was still running after the run's timeout of {self.timeout:g} s; its stack:\n{stack}"
         else:
             text = f"rank {rank} did not stop within {ABORT_GRACE_S:g} s of another rank's failure; its stack:\n{stack}"
@@ -140,7 +150,7 @@ class RankRun:
 
     def _abort_group(self) -> None:
         """Make the run's pending NCCL calls return (gloo calls fail when a peer's group closes)."""
-        if self.launch.backend != "nccl" or not self.formed:
+        if self.launch.backend != "nccl" or self.formed_at is None:
             return
         from dstest.worlds.torch_internals import abort_process_group
 

@@ -60,9 +60,10 @@ class LaunchedWorld:
             raise LaunchBroken(f"launched world: ranks {lost} stopped answering earlier ({launch.lost[lost[0]]})")
         label = f"launched world of {world_size} of {launch.world_size} ranks ({launch.backend})"
         __tracebackhide__ = True
-        if launch.rank < world_size:
+        took_part = launch.rank < world_size
+        if took_part:
             RankRun(launch, key, request).execute()
-        return combine(launch, key, world_size, timeout, label)
+        return combine(launch, key, world_size, timeout, label, took_part=took_part)
 
 
 class LaunchBroken(DstestError, RuntimeError):
