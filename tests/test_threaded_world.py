@@ -330,6 +330,25 @@ def test_warm_world_retires_its_crew_on_failure_and_shutdown_stops_the_rest():
     assert c10d._world.__class__.__name__ == "_World"
 
 
+def test_e4_a_crew_whose_thread_ended_is_closed_before_the_next_run():
+    """A crew thread that ended between runs (here: told to stop) makes its crew unusable; the next run gets a
+    new crew, and the old crew's other threads end (nothing outlives a world, E4)."""
+    from dstest.worlds.threaded.crews import CREWS
+
+    warm = ThreadedWorld(warm=True)
+    before = warm.run(RunRequest(lambda ctx: threading.current_thread(), 3))
+    crew = CREWS.crews[("cpu", 3)]
+    crew._tasks[1].put(None)  # rank 1's thread leaves its loop
+    before[1].join(5)
+    assert not before[1].is_alive()
+    after = warm.run(RunRequest(lambda ctx: threading.current_thread(), 3))
+    assert not any(a is b for a in after for b in before)
+    for t in before:
+        t.join(5)
+    assert not any(t.is_alive() for t in before), [t.name for t in before if t.is_alive()]
+    assert crew.retired
+
+
 def test_warm_world_survives_a_spec_that_destroys_the_default_group():
     warm = ThreadedWorld(warm=True)
 

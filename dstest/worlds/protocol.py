@@ -63,6 +63,8 @@ def check_timeout(value: object, name: str = "timeout") -> float:
 
     Booleans and strings (even ``"10"``) are refused; ``name`` is the argument the message names.
     """
+    if type(value) in (float, int) and 0 < value <= MAX_TIMEOUT_S:  # the common case, without the ABC check
+        return float(value)  # type: ignore[arg-type]
     allowed = f"allowed: a finite number of seconds, > 0 and <= {MAX_TIMEOUT_S:g} (e.g. 60)"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidArgument(f"{name}={value!r}: a {_kind(value)} is not a number of seconds; {allowed}")
@@ -106,6 +108,8 @@ def parse_timeout(text: str, option: str) -> float:
 
 def check_world_size(value: object, name: str = "world_size") -> int:
     """``value`` as an int >= 1 (booleans and floats such as 2.0 or 2.5 are refused)."""
+    if type(value) is int and value >= 1:  # the common case, without the ABC check
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InvalidWorldSize(f"{name}={value!r} must be an int >= 1, got a {_kind(value)}")
     if value < 1:
@@ -115,6 +119,8 @@ def check_world_size(value: object, name: str = "world_size") -> int:
 
 def check_seed(value: object, name: str = "seed") -> int:
     """``value`` as an int >= 0 (numpy's generators, ``ctx.numpy_rng()``, refuse negative seeds)."""
+    if type(value) is int and value >= 0:  # the common case, without the ABC check
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InvalidArgument(f"{name}={value!r}: must be an int >= 0 (e.g. 0), got a {_kind(value)}")
     if value < 0:

@@ -186,8 +186,9 @@ class Crews:
         evicted: list[WarmCrew] = []
         with self.lock:
             crew = self.crews.get(key)
-            if crew is not None and not crew.usable():
+            if crew is not None and not crew.usable():  # a thread of it ended: its others end too
                 del self.crews[key]
+                evicted.append(crew)
                 crew = None
             if crew is None:
                 kept = sum(c.world_size for c in self.crews.values())

@@ -135,7 +135,8 @@ class ThreadedWorld:
                 return crew.run(request, recorder, make_ctx)
             finally:
                 crew.busy.release()
-                if crew.retired or crew.broken or not crew.usable() or crew.rendezvous.aborted is not None:
+                # a crew whose thread ended is found at its next checkout (usable), once per run
+                if crew.retired or crew.broken or crew.rendezvous.aborted is not None:
                     CREWS.retire(crew)
                     crew.close(grace=0.5)
         return self._run_cold(request, recorder, make_ctx, device)

@@ -259,8 +259,11 @@ def drop_subgroups() -> None:
     rather than through ``destroy_process_group`` (which would also tear down what a run never built).
     """
     state = c10d._world
+    dropped = [pg for pg in list(state.pg_map) if pg is not state.default_pg]
+    if not dropped:  # most runs make no subgroup: no table to look through
+        return
     tables = _group_tables(state._target() if isinstance(state, ThreadLocalWorld) else state)
-    for pg in [pg for pg in list(state.pg_map) if pg is not state.default_pg]:
+    for pg in dropped:
         name = dict.get(state.pg_names, pg)
         for table in tables:
             dict.pop(table, pg, None)
@@ -272,14 +275,21 @@ def drop_subgroups() -> None:
                 torch._C._distributed_c10d._unregister_process_group(name)
 
 
+_TABLE_NAMES: dict[type, tuple[str, ...]] = {}  # per c10d state class: its attributes named pg_*
+
+
 def _group_tables(state: Any) -> list[dict[Any, Any]]:
     """Every table of a c10d state keyed by process group (torch names them ``pg_*``)."""
+    names = _TABLE_NAMES.get(type(state))
+    if names is None:
+        names = _TABLE_NAMES[type(state)] = tuple(
+            n for n in dir(type(state)) if n.startswith("pg_") and n != "pg_config_info"
+        )
     tables = []
-    for name in dir(type(state)):
-        if name.startswith("pg_") and name != "pg_config_info":
-            value = getattr(state, name, None)
-            if isinstance(value, dict):
-                tables.append(value)
+    for name in names:
+        value = getattr(state, name, None)
+        if isinstance(value, dict):
+            tables.append(value)
     return tables
 
 
