@@ -63,8 +63,8 @@ def check_timeout(value: object, name: str = "timeout") -> float:
 
     Booleans and strings (even ``"10"``) are refused; ``name`` is the argument the message names.
     """
-    if type(value) in (float, int) and 0 < value <= MAX_TIMEOUT_S:  # the common case, without the ABC check
-        return float(value)  # type: ignore[arg-type]
+    if (type(value) is float or type(value) is int) and 0 < value <= MAX_TIMEOUT_S:  # without the ABC check
+        return float(value)
     allowed = f"allowed: a finite number of seconds, > 0 and <= {MAX_TIMEOUT_S:g} (e.g. 60)"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidArgument(f"{name}={value!r}: a {_kind(value)} is not a number of seconds; {allowed}")
