@@ -272,6 +272,35 @@ def test_groups_kept_in_module_globals_fail_naming_the_global_and_the_process_wo
     assert "already initialized" in text or "belongs to rank" in text
 
 
+_MODEL_PARALLEL_GROUPS: list[object] = []
+_A_LARGE_TABLE = list(range(100_000))  # a module's data: not a place groups are kept
+
+
+def groups_kept_in_a_module_list(ctx):
+    _A_LARGE_TABLE[-1] = dist.new_group(list(range(ctx.world_size)))  # past the items looked at
+    _MODEL_PARALLEL_GROUPS.append(dist.new_group(list(range(ctx.world_size))))
+    dist.barrier()
+    raise RuntimeError(f"rank {ctx.rank} fails after making its groups")
+
+
+def test_groups_kept_in_a_module_list_are_named_and_large_tables_are_looked_at_only_in_part():
+    """A group in a list of a module's globals is named (the list holds one rank's groups for every rank);
+    of a large table only the first items are looked at (thread_shared.LOOK_AT): walking a module's data on
+    every rank's every new group costs W x groups x its length."""
+    from dstest.worlds.threaded.thread_shared import LOOK_AT
+
+    assert len(_A_LARGE_TABLE) > LOOK_AT
+    try:
+        with pytest.raises(RankFailure) as info:
+            dstest.run(groups_kept_in_a_module_list, 2)
+    finally:
+        _MODEL_PARALLEL_GROUPS.clear()
+        _A_LARGE_TABLE[-1] = len(_A_LARGE_TABLE) - 1
+    text = str(info.value)
+    assert "test_thread_fidelity._MODEL_PARALLEL_GROUPS (rank " in text, text
+    assert "_A_LARGE_TABLE" not in text, text
+
+
 # -- process-wide tables torch's stacks add to and remove from (found by the audit of torch's caches) ---------
 def loss_parallel_cross_entropy(ctx):
     """torch.distributed.tensor.parallel.loss_parallel: its handlers go into DTensor's one dispatcher table

@@ -7,6 +7,7 @@ both named in failure reports.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 import types
@@ -30,15 +31,24 @@ def _listed(items: list[str], most: int = 4) -> str:
     return "; ".join(items[:most]) + (f"; and {len(items) - most} more" if len(items) > most else "")
 
 
+#: How many items of a list, tuple or dict in a watched module's globals are looked at: a library's lists of
+#: groups are short, and a module's large tables (data, caches) would otherwise be walked on every rank's
+#: every new group (W x groups x their length).
+LOOK_AT = 64
+
+
 def _group_in(value: Any, rendezvous: Any) -> Any:
-    """A group of ``rendezvous`` that ``value`` is or holds directly (a list, tuple or dict of groups), or None."""
+    """A group of ``rendezvous`` that ``value`` is or holds directly among its first :data:`LOOK_AT` items (a
+    list, tuple or dict of groups), or None."""
     if isinstance(value, Group):
         return value if value.session is rendezvous else None
     if isinstance(value, (list, tuple)):
-        return next((v for v in value if isinstance(v, Group) and v.session is rendezvous), None)
-    if isinstance(value, dict):
-        return next((v for v in value.values() if isinstance(v, Group) and v.session is rendezvous), None)
-    return None
+        items: Any = value[:LOOK_AT]
+    elif isinstance(value, dict):
+        items = itertools.islice(value.values(), LOOK_AT)
+    else:
+        return None
+    return next((v for v in items if isinstance(v, Group) and v.session is rendezvous), None)
 
 
 class _SharedGlobals:
