@@ -40,6 +40,13 @@ def test_pytest_session_benchmark_runs_every_kind_of_test(tmp_path: Path) -> Non
     assert all(row[k] > 0 for k in ("dstest_s", "torch_s", "world_run_s", "pytest_plain_s"))
 
 
+def test_run_floor_benchmark_runs_both_sides(tmp_path: Path) -> None:
+    report = _run("bench_run_floor.py", "--sizes", "2", "--runs", "5", "--rounds", "1", tmp_path=tmp_path)
+    (row,) = report["rows"]
+    assert row["world_size"] == 2
+    assert row["floor_s"] > 0 and row["dstest_s"] > 0
+
+
 def _passing_figures(d: Path) -> None:
     """Figures that meet every goal of benchmarks/goals.py, in the shapes the scripts write."""
     small = [{"world_size": 4, "collective": "all_reduce", "seconds": 1.4e-4, "floor_seconds": 1e-4,
