@@ -23,7 +23,6 @@ import os
 import queue
 import statistics
 import threading
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ warnings.simplefilter("ignore", FutureWarning)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _timing import median_seconds  # noqa: E402
 
 from dstest.worlds.request import RunRequest  # noqa: E402
 from dstest.worlds.threaded import ThreadedWorld  # noqa: E402
@@ -90,12 +90,7 @@ def _body(ctx: Any) -> None:
 def _timed(fn: Any, runs: int) -> float:
     for _ in range(50):
         fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(fn, runs)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
