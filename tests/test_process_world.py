@@ -118,6 +118,37 @@ def _draw_and_reduce(ctx, offset):
     return [round(x, 5) for x in t.tolist()], ctx.randint(0, 1000, (3,)).tolist()
 
 
+def own_world_first_importing_dnn(ctx, path):
+    """As torch's bases run a test on a warm worker: the test forms its own world, and first imports
+    torch.distributed.nn.functional inside it (torch binds ``group=group.WORLD`` defaults at import)."""
+    from dstest.worlds import torch_internals
+
+    with torch_internals.hidden_c10d_world(checked=False):
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=ctx.rank, world_size=ctx.world_size)
+        try:
+            import torch.distributed.nn.functional as dnn
+
+            return dnn.broadcast(torch.full((1,), float(ctx.rank + 1)), src=0).item()
+        finally:
+            dist.destroy_process_group()
+
+
+def dnn_broadcast(ctx):
+    import torch.distributed.nn.functional as dnn
+
+    return dnn.broadcast(torch.full((1,), float(ctx.rank + 5)), src=0).item()
+
+
+def test_a_world_a_test_formed_is_not_bound_into_later_tests_by_an_import():
+    """A later test's ``dnn.broadcast`` on its default group works on the same warm workers (failed with
+    "Group ... is not registered": the earlier test's world was bound as the default at its import)."""
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), f"dstest-dnn-{uuid.uuid4().hex}")
+    assert dstest.run(own_world_first_importing_dnn, 2, world="process", args=(path,)) == [1.0, 1.0]
+    assert dstest.run(dnn_broadcast, 2, world="process") == [5.0, 5.0]
+
+
 def test_results_and_seeds_match_the_threaded_world():
     for ws in (1, 4):
         want = ThreadedWorld().run(RunRequest(_draw_and_reduce, ws, args=(0.5,), seed=7))

@@ -105,6 +105,13 @@ def _form_group(cfg: WorkerConfig, check_conn: Connection) -> tuple[Any, Checker
     import torch
     import torch.distributed as dist
 
+    # Imported before this worker's world forms: torch binds `group=group.WORLD` in its functions'
+    # defaults when the module is imported, so a first import later binds the group alive then, and a
+    # test that forms its own world (torch's bases, DeepSpeed's) would leave it bound for every later test
+    # on this worker ("Group ... is not registered"). Here the default is None: the default group of the
+    # call, as in a process that imports it before init_process_group.
+    import torch.distributed.nn.functional
+
     if "OMP_NUM_THREADS" in cfg.env:
         torch.set_num_threads(int(cfg.env["OMP_NUM_THREADS"]))
     key = cfg.key
