@@ -342,6 +342,19 @@ def size_of(t: Any) -> int:
     return int(t.numel())
 
 
+def sizes_of(ts: Any) -> int:
+    """The elements of ``ts`` in all: counted in C for tensors (a list all_gather's W outputs on each of W
+    ranks), one at a time for what is not a tensor (the process world's metadata). Tensors come from a
+    loaded torch: it is looked up, not imported."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            return sum(map(torch.Tensor.numel, ts))
+        except TypeError:
+            pass
+    return sum(size_of(t) for t in ts)
+
+
 def measure(call: Any) -> tuple[str, tuple[tuple[int, ...], ...], int, int]:
     """(dtype, shapes, elements, bytes) of one rank's side of a collective (a ``collectives.Call``)."""
     op = call.op
@@ -351,17 +364,17 @@ def measure(call: Any) -> tuple[str, tuple[tuple[int, ...], ...], int, int]:
         shapes, n, dtype = (tuple(t.shape),), size_of(t), t.dtype
     elif op == "all_gather":
         t = call.inp
-        shapes, n, dtype = (tuple(t.shape),), sum(size_of(o) for o in call.outs), t.dtype
+        shapes, n, dtype = (tuple(t.shape),), sizes_of(call.outs), t.dtype
     elif op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
         shapes, dtype = (tuple(call.inp.shape), tuple(call.out.shape)), call.inp.dtype
         n = size_of(call.out) if op == "all_gather_into_tensor" else size_of(call.inp)
     elif op == "reduce_scatter":
         t = call.out
-        shapes, n, dtype = (tuple(t.shape),), sum(size_of(i) for i in call.inps), t.dtype
+        shapes, n, dtype = (tuple(t.shape),), sizes_of(call.inps), t.dtype
     elif op == "all_to_all":
         ins = call.inps
         shapes = tuple(tuple(i.shape) for i in ins)
-        n = sum(size_of(i) for i in ins)
+        n = sizes_of(ins)
         dtype = ins[0].dtype if ins else None
     elif op == "all_to_all_single":
         shapes, n, dtype = (tuple(call.inp.shape), tuple(call.out.shape)), size_of(call.inp), call.inp.dtype

@@ -182,11 +182,12 @@ def observed(args: dict[str, Any]) -> bool:
     for value in args.values():
         kind = type(value)
         if kind is list or kind is tuple:
-            for item in value:
-                inner = type(item)
+            # the kinds of a list's items in C (a list all_gather's W outputs), each kind tested once
+            for inner in set(map(type, value)):
                 if inner is list or inner is tuple:
-                    if any(_subclass(type(t)) for t in item):
-                        return True
+                    for item in value:
+                        if type(item) is inner and any(_subclass(k) for k in set(map(type, item))):
+                            return True
                 elif _subclass(inner):
                     return True
         elif _subclass(kind):
