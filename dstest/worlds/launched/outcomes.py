@@ -65,8 +65,8 @@ def combine(launch: Launch, key: str, world_size: int, timeout: float, label: st
     The error is built from the posted outcomes only, so every rank raises the same one (and pytest, which
     hides these frames, shows the same report on every rank). A participant asks once its own run ended,
     after the group formed on every participant alike, so the others' bodies end within the timeout; a rank
-    that ``took_part`` not asks from the run's start, so it also waits out the group's forming
-    (:func:`form_limit`).
+    outside the run (``took_part`` False) asks from the run's start, so it also waits out the group's
+    forming (:func:`form_limit`).
     """
     __tracebackhide__ = True
     limit = timeout + REPORT_GRACE_S + (0.0 if took_part else form_limit(timeout))
