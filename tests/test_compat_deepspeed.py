@@ -461,7 +461,7 @@ HANG = """
 
     class TestHang(DistributedTest):
         world_size = 2
-        exec_timeout = 4
+        exec_timeout = 2
 
         def test_hangs(self):
             if dist.get_rank() == 1:

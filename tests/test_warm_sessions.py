@@ -230,14 +230,26 @@ def _server_pid(warm_dir: Path) -> int:
     return int(logs.split("warm server ", 1)[1].split(":", 1)[0])
 
 
+def _exited(pid: int) -> bool:
+    """Whether ``pid`` has ended: gone, or a zombie. The server's parent, the cold run, has exited, so init
+    reaps it, and an init may take seconds to (this project's sandboxes' does: 1-3 s after the exit)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"  # the state, after "pid (comm)"
+    except OSError:  # no /proc (not Linux): kill alone, once init has reaped it
+        return False
+
+
 def _wait_gone(pid: int, warm_dir: Path, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if _exited(pid):
             return
-        time.sleep(0.2)
+        time.sleep(0.1)
     logs = "\n".join(p.read_text() for p in warm_dir.glob("*.log"))
     raise AssertionError(f"the warm server {pid} still runs {timeout} s later; its log:\n{logs}")
 
