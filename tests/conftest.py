@@ -1,5 +1,9 @@
 # torch cannot be imported twice in one process, and pytester's in-process runs drop the modules they
 # imported: import torch and the worlds here, before any inline run, so every run shares them.
+import os
+from collections.abc import Iterator
+
+import pytest
 import torch  # noqa: F401
 from hypothesis import settings
 
@@ -17,3 +21,25 @@ settings.register_profile("dstest", deadline=None)
 # 5,000 each (docs/checking-the-checkers.md).
 settings.register_profile("soak", deadline=None, max_examples=5000)
 settings.load_profile("dstest")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "hypothesis_in_children: the pytest sessions the test starts load hypothesis' pytest plugin"
+    )
+
+
+@pytest.fixture(autouse=True)
+def _child_sessions_without_hypothesis_plugin(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The pytest sessions a test starts (pytester, torchrun, the dstest command) do not load hypothesis' pytest
+    plugin, unless the test is marked ``hypothesis_in_children``: the plugin imports all of hypothesis in every
+    session's terminal summary (1.3 s a session on this project's machines) and no other child session uses it."""
+    if request.node.get_closest_marker("hypothesis_in_children"):
+        yield
+        return
+    if "pytester" in request.fixturenames:
+        request.getfixturevalue("pytester")  # it clears PYTEST_ADDOPTS as it starts: set it after
+    with pytest.MonkeyPatch.context() as patch:  # undone before pytester restores what it cleared
+        addopts = os.environ.get("PYTEST_ADDOPTS", "")
+        patch.setenv("PYTEST_ADDOPTS", f"{addopts} -p no:hypothesispytest".strip())
+        yield

@@ -145,6 +145,7 @@ def test_f3_without_the_option_nothing_is_started(project) -> None:
     assert not list(warm_dir.iterdir())
 
 
+@pytest.mark.hypothesis_in_children  # its sessions load hypothesis' pytest plugin, as a user's do
 def test_f3_a_package_pytest_rewrites_imported_by_the_preload_gives_no_new_warning(project) -> None:
     """``mylib`` (preloaded in the server) imports hypothesis, which pytest rewrites on import in every session
     (it installs a pytest plugin), as torch's test bases do: the server imports hypothesis through pytest's
