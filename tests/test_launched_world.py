@@ -43,11 +43,40 @@ def test_rank_one_fails(ctx):
     dist.all_reduce(t)
 
 
+@dstest.cpu_test
+def test_plain_fails_on_rank_one():
+    print(f"plain test on rank {RANK}")
+    assert RANK != 1, f"plain failure on rank {RANK}"
+
+
+@dstest.cpu_test
+def test_plain_passes():
+    assert RANK >= 0
+'''.replace("@dstest.cpu_test", "@pytest.mark.cpu").replace("import dstest", "import dstest, pytest")
+
+# The specs that wait out a timeout (about 25 s of a launch): run in the 3-rank launch only, where rank 2 is
+# outside the 2-rank runs as well.
+_WAITING_SPECS = '''
+import os, time
+import pytest
+import torch, torch.distributed as dist
+import dstest
+
+RANK = int(os.environ["RANK"])
+
+
 @dstest.spec(world_size=[2], worlds=["launched"], timeout=5)
 def test_rank_one_hangs(ctx):
     if ctx.rank == 1:
         time.sleep(3600)
     dist.all_reduce(torch.ones(1))
+
+
+@dstest.spec(world_size=[2], worlds=["launched"])
+def test_after_the_hang(ctx):
+    t = torch.full((1,), float(ctx.rank))
+    dist.all_reduce(t)
+    assert t.item() == 1.0
 
 
 @pytest.fixture(autouse=True)
@@ -70,29 +99,11 @@ def test_a_late_rank_is_waited_for(ctx):
     assert t.item() == 2.0
 
 
-@dstest.spec(world_size=[2], worlds=["launched"])
-def test_after_the_hang(ctx):
-    t = torch.full((1,), float(ctx.rank))
-    dist.all_reduce(t)
-    assert t.item() == 1.0
-
-
-@dstest.cpu_test
-def test_plain_fails_on_rank_one():
-    print(f"plain test on rank {RANK}")
-    assert RANK != 1, f"plain failure on rank {RANK}"
-
-
-@dstest.cpu_test
-def test_plain_passes():
-    assert RANK >= 0
-
-
-@dstest.cpu_test
+@pytest.mark.cpu
 def test_zz_main_thread_hangs_on_rank_one():
     if RANK == 1:
         time.sleep(3600)
-'''.replace("@dstest.cpu_test", "@pytest.mark.cpu").replace("import dstest", "import dstest, pytest")
+'''
 
 _DIVERGENT = '''
 import os
@@ -120,6 +131,7 @@ def _launch(tmp_path: Path, nproc: int, *args: str, timeout: float = 240) -> tup
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         "-m", "pytest", "-m", "cpu", "-q", "-rA",
+        "-p", "no:hypothesispytest",  # it imports all of hypothesis at each rank's end (1.3 s); nothing uses it
         *args,
     ]  # fmt: skip
     start = time.monotonic()
@@ -135,11 +147,15 @@ def _cases(junit: Path) -> dict[str, ET.Element]:
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_launched_ranks_run_in_lockstep_and_rank_0_reports(tmp_path: Path, nproc: int) -> None:
     (tmp_path / "test_specs.py").write_text(_SPECS)
+    waits = nproc == 3  # the specs that wait out a timeout: once, in the launch with a rank outside the runs
+    if waits:
+        (tmp_path / "test_waiting.py").write_text(_WAITING_SPECS)
     junit = tmp_path / "out.xml"
     # 15 s: every spec's timeout too, with room for a launched group to form on 2 busy cores (CI, -n 2)
     proc, took = _launch(tmp_path, nproc, "--dstest-timeout=15", f"--junitxml={junit}")
     out = proc.stdout
     assert proc.returncode != 0, out
+    assert took < 200, f"the launched run took {took:.0f} s"  # a hang would be an hour (time.sleep(3600))
     # One reporter: rank 0's summary only, even though every rank ran every item.
     assert out.count("short test summary info") == 1, out
     cases = _cases(junit)
@@ -162,6 +178,14 @@ def test_launched_ranks_run_in_lockstep_and_rank_0_reports(tmp_path: Path, nproc
     assert "test_specs.py\", line 22, in test_rank_one_fails" in text  # rank 1's own frame
     assert 'raise ValueError("rank one is broken")' in text
     assert "rank 0 stopped because another rank failed" in text
+    # An ordinary test that fails on one rank only: rank 0 reports rank 1's failure and its output.
+    plain = cases["test_plain_fails_on_rank_one"].find("failure")
+    assert plain is not None
+    assert "plain failure on rank 1" in (plain.text or "")
+    assert "plain test on rank 1" in out
+    assert cases["test_plain_passes"].find("failure") is None
+    if not waits:
+        return
     # A rank hung in a spec: reported with its stack after the spec's timeout, and the session goes on.
     hang = cases["test_rank_one_hangs[launched-ws2]"].find("failure")
     assert hang is not None
@@ -173,17 +197,10 @@ def test_launched_ranks_run_in_lockstep_and_rank_0_reports(tmp_path: Path, nproc
     # group formed.
     late = cases["test_a_late_rank_is_waited_for[launched-ws2]"]
     assert late.find("failure") is None and late.find("skipped") is None, ET.tostring(late, encoding="unicode")
-    # An ordinary test that fails on one rank only: rank 0 reports rank 1's failure and its output.
-    plain = cases["test_plain_fails_on_rank_one"].find("failure")
-    assert plain is not None
-    assert "plain failure on rank 1" in (plain.text or "")
-    assert "plain test on rank 1" in out
-    assert cases["test_plain_passes"].find("failure") is None
     # A rank whose own pytest thread hangs (no spec run to stop it): reported, and the run ends.
     lost = cases["test_zz_main_thread_hangs_on_rank_one"].find("failure")
     assert lost is not None
     assert "ranks [1] did not report the call phase of this item within 15 s" in (lost.text or "")
-    assert took < 200, f"the launched run took {took:.0f} s"  # a hang would be an hour (time.sleep(3600))
 
 
 def test_ranks_that_collect_different_items_stop_before_running_any(tmp_path: Path) -> None:
