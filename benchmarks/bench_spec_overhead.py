@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.baseline is not None:
         return side_by_side(args.baseline, sizes, args.reps, args.rounds, args.json)
     began = time.perf_counter()
+    load_at_start = os.getloadavg()
 
     # "threaded" is what specs get (warm crews); "threaded_cold" starts and ends its threads per test.
     threaded, cold, process = ThreadedWorld(warm=True), ThreadedWorld(), ProcessWorld()
@@ -318,6 +319,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "unit": "seconds per test (median)",
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
         "reps": {"fast": args.reps, "fresh_spawn": args.spawn_reps},
+        "load_at_start": load_at_start,
         "results": {
             str(ws): r
             | {

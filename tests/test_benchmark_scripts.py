@@ -47,6 +47,20 @@ def test_run_floor_benchmark_runs_both_sides(tmp_path: Path) -> None:
     assert row["floor_s"] > 0 and row["dstest_s"] > 0
 
 
+def test_upstream_suites_benchmark_says_what_it_could_not_measure(tmp_path: Path, monkeypatch) -> None:
+    """Without checkouts of torch's and torchtitan's tests (CI has none) nothing runs and each side says why;
+    a checkout without the files says which are missing."""
+    monkeypatch.delenv("DSTEST_TORCH_TESTS", raising=False)
+    monkeypatch.delenv("DSTEST_TORCHTITAN", raising=False)
+    report = _run("bench_upstream_suites.py", tmp_path=tmp_path)
+    assert report["torch"] == {"measured": False, "why": "no checkout of torch's tests (--torch-tests)"}
+    assert report["torchtitan"] == {"measured": False, "why": "no checkout of torchtitan (--torchtitan)"}
+    report = _run("bench_upstream_suites.py", "--torch-tests", str(tmp_path), "--torchtitan", str(tmp_path),
+                  tmp_path=tmp_path)  # fmt: skip
+    assert not report["torch"]["measured"] and "test_c10d_object_collectives.py is not there" in report["torch"]["why"]
+    assert not report["torchtitan"]["measured"] and "tests/unit_tests/test_loss.py" in report["torchtitan"]["why"]
+
+
 def _passing_figures(d: Path) -> None:
     """Figures that meet every goal of benchmarks/goals.py, in the shapes the scripts write."""
     small = [{"world_size": 4, "collective": "all_reduce", "seconds": 1.4e-4, "floor_seconds": 1e-4,
@@ -59,6 +73,12 @@ def _passing_figures(d: Path) -> None:
     (d / "scale.json").write_text(json.dumps({"cases": cases, "load_at_start": [1.0, 1.0, 1.0]}))
     (d / "spec_overhead.json").write_text(json.dumps({"results": {"4": {"process": 1.9e-3}}}))
     (d / "suite.json").write_text(json.dumps({"xdist2_seconds": 140.0, "xdist2": "10 passed"}))
+    torch_file = {"measured": True, "items": 8, "upstream": {"seconds": 60.0}, "warm_median_s": 1.9,
+                  "ratio_upstream_to_warm": 60.0 / 1.9, "differ": []}
+    titan = {"measured": True, "items": 108, "upstream": {"seconds": 430.0}, "plugin": {"seconds": 17.0},
+             "ratio_upstream_to_plugin": 430.0 / 17.0, "differ": []}
+    upstream = {"torch": torch_file, "torchtitan": titan, "load_at_start": [1.0, 1.0, 1.0]}
+    (d / "upstream_suites.json").write_text(json.dumps(upstream))
 
 
 # (file, a path into its JSON, a value that misses the goal): each one alone must turn its goal to "not met"
@@ -72,6 +92,10 @@ _MISSES = [
     ("scale.json", ("cases", "list_all_gather:1024", "median", "this", "spread"), 2.01),
     ("spec_overhead.json", ("results", "4", "process"), 2.01e-3),
     ("suite.json", ("xdist2_seconds",), 151.0),
+    ("upstream_suites.json", ("torch", "ratio_upstream_to_warm"), 29.9),
+    ("upstream_suites.json", ("torch", "differ"), ["TestCase::test_one_item"]),  # faster, other verdicts
+    ("upstream_suites.json", ("torchtitan", "ratio_upstream_to_plugin"), 24.9),
+    ("upstream_suites.json", ("torchtitan", "differ"), ["TestCase::test_one_item"]),
 ]
 
 
@@ -85,9 +109,9 @@ def test_goals_are_met_only_when_every_figure_meets_them(tmp_path: Path, case: i
     finally:
         sys.path.pop(0)
     _passing_figures(tmp_path)
+    every = goals.GOALS + goals.UPSTREAM
     before = goals.evaluate(tmp_path)
-    assert [r["verdict"] for r in before][: len(goals.GOALS)] == ["met"] * len(goals.GOALS)
-    assert all(r["verdict"] == "not measured" for r in before[len(goals.GOALS) :])
+    assert [r["verdict"] for r in before] == ["met"] * len(every)
 
     name, where, value = _MISSES[case]
     data = json.loads((tmp_path / name).read_text())
@@ -99,10 +123,27 @@ def test_goals_are_met_only_when_every_figure_meets_them(tmp_path: Path, case: i
     after = goals.evaluate(tmp_path)
     changed = [i for i, (a, b) in enumerate(zip(before, after)) if a["verdict"] != b["verdict"]]
     assert len(changed) == 1 and after[changed[0]]["verdict"] == "not met"
-    assert goals.GOALS[changed[0]].source == name
+    assert every[changed[0]].source == name
 
     del node[where[-1]]  # the figure gone: not measured
     (tmp_path / name).write_text(json.dumps(data))
     assert goals.evaluate(tmp_path)[changed[0]]["verdict"] == "not measured"
     (tmp_path / name).unlink()
     assert goals.evaluate(tmp_path)[changed[0]]["verdict"] == "not measured"
+
+
+@pytest.mark.parametrize("side", ["torch", "torchtitan"])
+def test_a_suite_without_its_checkout_is_not_measured_and_says_why(tmp_path: Path, side: str) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import goals
+    finally:
+        sys.path.pop(0)
+    _passing_figures(tmp_path)
+    data = json.loads((tmp_path / "upstream_suites.json").read_text())
+    data[side] = {"measured": False, "why": f"no checkout of {side} (--{side})"}
+    (tmp_path / "upstream_suites.json").write_text(json.dumps(data))
+    rows = {r["what"]: r for r in goals.evaluate(tmp_path)}
+    row = next(r for r in rows.values() if r["source"] == "upstream_suites.json" and r["what"].split("'")[0] == side)
+    assert row["verdict"] == "not measured" and f"no checkout of {side}" in row["figure"], row
+    assert sum(r["verdict"] == "met" for r in rows.values()) == len(rows) - 1
