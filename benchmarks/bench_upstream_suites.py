@@ -7,7 +7,8 @@ Neither project's tests are in this repository or in torch's wheel: ``--torch-te
 pytorch/pytorch (its ``test/`` tree, of the torch the runs use), ``--torchtitan`` one of pytorch/torchtitan
 (default: the environment's ``DSTEST_TORCH_TESTS`` and ``DSTEST_TORCHTITAN``). A side whose checkout is not
 given is not measured, and says so. ``--python`` (default: the environment's ``DSTEST_UPSTREAM_PYTHON``, else
-this Python) runs both sides: one with the torch those test files were written for, dstest and expecttest. Two questions, the goals of issue 44:
+this Python) runs both sides: one with the torch those test files were written for, dstest and expecttest.
+Two questions, the goals of issue 44:
 
 - **torch's bases, one small file, warm** (``test/distributed/test_c10d_object_collectives.py``: 8 items on
   ``MultiProcessTestCase``): upstream (``-p no:dstest``: a fresh spawned process per rank per test) against a

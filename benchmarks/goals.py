@@ -90,6 +90,11 @@ def _upstream(key: str, ratio_key: str, goal: float, side: str) -> Callable[[Any
         row = data[key]
         if not row["measured"]:
             raise NotMeasured(row["why"])
+        if row["items"] == 0:
+            raise NotMeasured(f"upstream's run of {key}'s tests reported no item")
+        if key == "torch" and row["warm_forked"] < len(row["warm"]):
+            raise NotMeasured(f"{len(row['warm']) - row['warm_forked']} of the {len(row['warm'])} warm runs were not "
+                              "forked from the warm server")  # fmt: skip
         ratio, differ = row[ratio_key], len(row["differ"])
         ours = row["warm_median_s"] if key == "torch" else row["plugin"]["seconds"]
         text = (f"{ours:.1f} s {side} vs upstream {row['upstream']['seconds']:.1f} s ({ratio:.1f}x; "

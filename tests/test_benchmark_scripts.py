@@ -74,7 +74,7 @@ def _passing_figures(d: Path) -> None:
     (d / "spec_overhead.json").write_text(json.dumps({"results": {"4": {"process": 1.9e-3}}}))
     (d / "suite.json").write_text(json.dumps({"xdist2_seconds": 140.0, "xdist2": "10 passed"}))
     torch_file = {"measured": True, "items": 8, "upstream": {"seconds": 60.0}, "warm_median_s": 1.9,
-                  "ratio_upstream_to_warm": 60.0 / 1.9, "differ": []}
+                  "warm": [{"seconds": 1.9}] * 3, "warm_forked": 3, "ratio_upstream_to_warm": 60.0 / 1.9, "differ": []}
     titan = {"measured": True, "items": 108, "upstream": {"seconds": 430.0}, "plugin": {"seconds": 17.0},
              "ratio_upstream_to_plugin": 430.0 / 17.0, "differ": []}
     upstream = {"torch": torch_file, "torchtitan": titan, "load_at_start": [1.0, 1.0, 1.0]}
@@ -147,3 +147,28 @@ def test_a_suite_without_its_checkout_is_not_measured_and_says_why(tmp_path: Pat
     row = next(r for r in rows.values() if r["source"] == "upstream_suites.json" and r["what"].split("'")[0] == side)
     assert row["verdict"] == "not measured" and f"no checkout of {side}" in row["figure"], row
     assert sum(r["verdict"] == "met" for r in rows.values()) == len(rows) - 1
+
+
+@pytest.mark.parametrize(
+    ("side", "key", "value", "why"),
+    [
+        ("torch", "warm_forked", 2, "1 of the 3 warm runs were not forked from the warm server"),
+        ("torch", "items", 0, "upstream's run of torch's tests reported no item"),
+        ("torchtitan", "items", 0, "upstream's run of torchtitan's tests reported no item"),
+    ],
+)
+def test_an_upstream_figure_that_is_not_what_the_goal_asks_is_not_measured(
+    tmp_path: Path, side: str, key: str, value: int, why: str
+) -> None:
+    """A warm run that was not forked from the server is a cold run's time; a run of no items is no figure."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import goals
+    finally:
+        sys.path.pop(0)
+    _passing_figures(tmp_path)
+    data = json.loads((tmp_path / "upstream_suites.json").read_text())
+    data[side][key] = value
+    (tmp_path / "upstream_suites.json").write_text(json.dumps(data))
+    (row,) = [r for r in goals.evaluate(tmp_path) if r["verdict"] != "met"]
+    assert row["verdict"] == "not measured" and why in row["figure"], row
