@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,6 +82,25 @@ def _passing_figures(d: Path) -> None:
     (d / "upstream_suites.json").write_text(json.dumps(upstream))
 
 
+def _goals() -> Any:
+    """benchmarks/goals.py, imported from its directory."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import goals
+    finally:
+        sys.path.pop(0)
+    return goals
+
+
+def _upstream_figures(d: Path, side: str, *, replace: bool = False, **changes: Any) -> None:
+    """The passing figures with ``side``'s entry of upstream_suites.json changed (``replace``: the entry
+    replaced by ``changes``)."""
+    _passing_figures(d)
+    data = json.loads((d / "upstream_suites.json").read_text())
+    data[side] = changes if replace else data[side] | changes
+    (d / "upstream_suites.json").write_text(json.dumps(data))
+
+
 # (file, a path into its JSON, a value that misses the goal): each one alone must turn its goal to "not met"
 _MISSES = [
     ("threaded.json", ("small", 0, "ratio_dstest_to_floor"), 1.51),
@@ -103,11 +123,7 @@ _MISSES = [
 def test_goals_are_met_only_when_every_figure_meets_them(tmp_path: Path, case: int) -> None:
     """benchmarks/goals.py (issue 44): figures inside every goal are all met; one figure past its goal turns
     that goal, and only that one, to "not met"; a missing file or figure is "not measured", never met."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import goals
-    finally:
-        sys.path.pop(0)
+    goals = _goals()
     _passing_figures(tmp_path)
     every = goals.GOALS + goals.UPSTREAM
     before = goals.evaluate(tmp_path)
@@ -134,15 +150,8 @@ def test_goals_are_met_only_when_every_figure_meets_them(tmp_path: Path, case: i
 
 @pytest.mark.parametrize("side", ["torch", "torchtitan"])
 def test_a_suite_without_its_checkout_is_not_measured_and_says_why(tmp_path: Path, side: str) -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import goals
-    finally:
-        sys.path.pop(0)
-    _passing_figures(tmp_path)
-    data = json.loads((tmp_path / "upstream_suites.json").read_text())
-    data[side] = {"measured": False, "why": f"no checkout of {side} (--{side})"}
-    (tmp_path / "upstream_suites.json").write_text(json.dumps(data))
+    goals = _goals()
+    _upstream_figures(tmp_path, side, replace=True, measured=False, why=f"no checkout of {side} (--{side})")
     rows = {r["what"]: r for r in goals.evaluate(tmp_path)}
     row = next(r for r in rows.values() if r["source"] == "upstream_suites.json" and r["what"].split("'")[0] == side)
     assert row["verdict"] == "not measured" and f"no checkout of {side}" in row["figure"], row
@@ -161,14 +170,7 @@ def test_an_upstream_figure_that_is_not_what_the_goal_asks_is_not_measured(
     tmp_path: Path, side: str, key: str, value: int, why: str
 ) -> None:
     """A warm run that was not forked from the server is a cold run's time; a run of no items is no figure."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import goals
-    finally:
-        sys.path.pop(0)
-    _passing_figures(tmp_path)
-    data = json.loads((tmp_path / "upstream_suites.json").read_text())
-    data[side][key] = value
-    (tmp_path / "upstream_suites.json").write_text(json.dumps(data))
+    goals = _goals()
+    _upstream_figures(tmp_path, side, **{key: value})
     (row,) = [r for r in goals.evaluate(tmp_path) if r["verdict"] != "met"]
     assert row["verdict"] == "not measured" and why in row["figure"], row
