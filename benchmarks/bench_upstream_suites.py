@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
@@ -51,18 +50,9 @@ TITAN_FILES = [
     "tests/unit_tests/test_parallel_dims.py",
 ]
 FORKED = "dstest warm: forked from a warm server"
-
-
-def _cases(junit: Path) -> dict[str, tuple[str, float]]:
-    """Per item (class and name): passed, failed, error or skipped, and its time; empty without a report."""
-    if not junit.is_file():
-        return {}
-    out = {}
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        tags = [c.tag for c in case if c.tag in ("failure", "error", "skipped")]
-        out[f"{case.get('classname')}::{case.get('name')}"] = (tags[0] if tags else "passed", float(case.get("time", 0)))
-    return out
-
+# Each item's verdict and time read from a JUnit file as ci/torch_upstream.sh's table reads them.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ci"))
+from upstream_compare import verdicts as junit_verdicts  # noqa: E402
 
 PYTHON = [sys.executable]
 
@@ -75,10 +65,10 @@ def _pytest(cwd: Path, args: list[str], junit: Path, env: dict[str, str], timeou
     start = time.perf_counter()
     proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - start
-    cases = _cases(junit)
-    slowest = sorted(((t, name) for name, (_, t) in cases.items()), reverse=True)[:8]
-    return {"seconds": wall, "rc": proc.returncode, "load": load, "verdicts": {k: v for k, (v, _) in cases.items()},
-            "items_s": sum(t for _, t in cases.values()), "slowest": [[name, t] for t, name in slowest],
+    cases = junit_verdicts(junit)
+    slowest = sorted(((t, name) for name, (_, t, _) in cases.items()), reverse=True)[:8]
+    return {"seconds": wall, "rc": proc.returncode, "load": load, "verdicts": {k: v for k, (v, _, _) in cases.items()},
+            "items_s": sum(t for _, t, _ in cases.values()), "slowest": [[name, t] for t, name in slowest],
             "output": proc.stdout, "tail": proc.stdout.splitlines()[-1:]}  # fmt: skip
 
 
@@ -115,7 +105,7 @@ def torch_small_file(root: Path, rounds: int, work: Path) -> dict[str, Any]:
         deadline = time.monotonic() + 300
         while not list(warm_dir.glob("*.sock")) and time.monotonic() < deadline:
             time.sleep(0.2)
-        time.sleep(2.0)  # the server's own start-up (imports) over, before the timed runs
+        time.sleep(2.0)  # the socket is there once the server has imported; a pause for the cold run's leftovers
         warm = [_pytest(cwd, plugin, work / f"torch-warm{i}.xml", env, 900) for i in range(rounds)]
     finally:
         subprocess.run([*PYTHON, "-m", "dstest.pytest.warm", "--stop"], env=env, capture_output=True, timeout=60)
