@@ -3,9 +3,10 @@
     python benchmarks/bench_checking.py [--quick] [--json PATH]
 
 Inside one warm gloo pool, each rank times the same calls on the same tensors, interleaved, through
-(a) the world group, which dstest checks (every call goes to the parent's referee and waits for its
-verdict before gloo runs it), and (b) a plain gloo group over the same ranks, built with the group
-constructor the check wraps. The figure is their ratio (checked / unchecked; lower is better). For
+(a) the world group, which dstest checks (the ranks' calls are matched on the pool's check board, or by the
+parent's referee, before gloo runs them), and (b) a plain gloo group over the same ranks, built with the
+group constructor the check wraps. The figure is their ratio (checked / unchecked; lower is better). Then
+the check board against the referee-only check it replaced (issue 44 item 4), interleaved the same way. For
 comparison, torch's own ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` wrapper (ProcessGroupWrapper: a monitored
 barrier and a fingerprint all-gather on a helper gloo group before each call) is timed the same way at
 the backend level, against the gloo backend it wraps. Last, how long a run takes to report a shape
@@ -84,6 +85,34 @@ def _compare(ctx: Any, kinds: list[str], sizes: list[int], reps: int, rounds: in
     return rows
 
 
+def _board_vs_referee(ctx: Any, sizes: list[int], reps: int, rounds: int) -> list[dict[str, Any]]:
+    """The check board (issue 44 item 4) against the referee-only check it replaced, on every rank, same calls,
+    same data, interleaved: between barriers, every rank turns its board off (each call then goes to the
+    parent's referee and waits for its verdict, as before the board) and on again."""
+    from dstest.worlds.process import checked
+
+    ck = checked._CHECKER
+    if ck is None or not ck.board_on:
+        return []
+    rows = []
+    for n in sizes:
+        call = _calls("all_reduce", n, ctx.world_size, None)
+        call()
+        board, referee = [], []
+        for _ in range(rounds):
+            board.append(_time(call, reps))
+            dist.barrier()
+            ck.board_on = False
+            try:
+                referee.append(_time(call, reps))
+                dist.barrier()
+            finally:
+                ck.board_on = True
+        b, r = statistics.median(board), statistics.median(referee)
+        rows.append({"collective": "all_reduce", "bytes": 4 * n, "board_s": b, "referee_s": r, "ratio": b / r})
+    return rows
+
+
 def _detail_wrapper(ctx: Any, sizes: list[int], reps: int, rounds: int) -> list[dict[str, Any]]:
     """torch's DETAIL ProcessGroupWrapper around a gloo backend, against that backend alone (all_reduce)."""
     from torch._C import _distributed_c10d as c10d_c
@@ -151,13 +180,23 @@ def main() -> None:
     kinds = ["all_reduce", "broadcast", "all_gather_into_tensor"]
     reps, rounds = (20, 3) if args.quick else (100, 5)
     world_sizes = [2] if args.quick else [2, 4]
-    results: dict[str, Any] = {"torch": torch.__version__, "checking": [], "detail_wrapper": [], "latency": []}
+    results: dict[str, Any] = {
+        "torch": torch.__version__,
+        "checking": [],
+        "board": [],
+        "detail_wrapper": [],
+        "latency": [],
+    }
     try:
         for ws in world_sizes:
             per_rank = WORLD.run(RunRequest(_compare, ws, args=(kinds, sizes, reps, rounds), timeout=1800))
             for i in range(len(per_rank[0])):
                 worst = max(per_rank, key=lambda rows: rows[i]["checked_s"])[i]  # a collective ends on its slowest rank
                 results["checking"].append({"world_size": ws, **worst})
+            per_rank = WORLD.run(RunRequest(_board_vs_referee, ws, args=(sizes[:2], reps, rounds), timeout=1800))
+            for i in range(len(per_rank[0])):
+                worst = max(per_rank, key=lambda rows: rows[i]["board_s"])[i]
+                results["board"].append({"world_size": ws, **worst})
             per_rank = WORLD.run(RunRequest(_detail_wrapper, ws, args=(sizes, reps, rounds), timeout=1800))
             for i in range(len(per_rank[0])):
                 worst = max(per_rank, key=lambda rows: rows[i]["detail_s"])[i]
@@ -171,6 +210,12 @@ def main() -> None:
         print(
             f"{r['world_size']:>3} {r['collective']:<24} {r['bytes']:>9} {r['checked_s'] * 1e6:>11.1f} "
             f"{r['unchecked_s'] * 1e6:>9.1f} {r['ratio']:>7.2f}"
+        )
+    print("\nthe check board vs the referee-only check, same calls and data, per call (lower ratio is better)")
+    print(f"{'W':>3} {'bytes':>9} {'board us':>9} {'referee us':>11} {'ratio':>7}")
+    for r in results["board"]:
+        print(
+            f"{r['world_size']:>3} {r['bytes']:>9} {r['board_s'] * 1e6:>9.1f} {r['referee_s'] * 1e6:>11.1f} {r['ratio']:>7.2f}"
         )
     print("\ntorch TORCH_DISTRIBUTED_DEBUG=DETAIL wrapper vs the gloo backend it wraps (all_reduce)")
     print(f"{'W':>3} {'bytes':>9} {'DETAIL us':>10} {'gloo us':>9} {'ratio':>7}")

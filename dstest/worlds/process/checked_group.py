@@ -19,8 +19,9 @@ from dstest.worlds import collectives as C
 from dstest.worlds import torch_internals
 from dstest.worlds.core import c10d, matching
 from dstest.worlds.core.faults import Delay, Fail, Fault, Kill, failed_text
-from dstest.worlds.process.checker import Checker, PostedCall, check_error
+from dstest.worlds.process.checker import Checker, check_error
 from dstest.worlds.process.messages import Dev, Meta
+from dstest.worlds.process.posted import PostedCall
 from dstest.worlds.torch_internals.dispatched import DispatchedGroup, DispatchedWork
 
 __all__ = ["CheckedGroup", "CheckedWork", "DoneWork"]
@@ -194,6 +195,10 @@ class CheckedGroup(DispatchedGroup):
         self.seq = 0
         self.seq_run = 0  # the run the sequence numbers count in (the world group outlives runs)
         self.label = matching.group_label(gid, members, checker.world_size)
+        # The check board keys a group by its name and how many groups of that name this rank made before:
+        # a world made again in a run (a test's init_process_group after the pool's) reuses the names, and
+        # its calls must not match the earlier group's entries of the same sequence numbers.
+        self.board_key = checker.board_key(gid)
         # C++ code that asks the group for its gloo backend by type (DDP's logger does) finds it; the
         # collectives it issues still come through the methods below (torch calls them virtually).
         self._register_backend(torch.device("cpu"), torch_internals.gloo_backend_type(), inner)
@@ -253,8 +258,10 @@ class CheckedGroup(DispatchedGroup):
         record = checker.recorder.collective(self, call, seq, self.members[self.rank_])
         msg: tuple[Any, ...] = ("post", self.gid, self.members, seq, call)
         if fail is not None:  # a Fail fault: the referee fails this collective on every rank that joins it
-            msg = (*msg, failed_text(fail, where))
-        rec = checker.post(msg, what, issue, record)
+            rec = checker.post((*msg, failed_text(fail, where)), what, issue, record)
+        else:  # on the check board where the run has one; the referee judges calls whose ranks may differ
+            refereed = type(call).check_all is not C.Call.check_all
+            rec = checker.post_collective(msg, self.board_key, call, refereed, what, issue, record)
         return CheckedWork(checker, rec)
 
     def _fault(self, op: str) -> Fault | None:

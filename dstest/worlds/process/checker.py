@@ -25,6 +25,8 @@ from dstest.errors import (
 )
 from dstest.worlds.core.faults import Fault, RankFaults, plan_for
 from dstest.worlds.injected import InjectedFault
+from dstest.worlds.process.board_calls import BoardCalls, close_run, issue_kept
+from dstest.worlds.process.posted import PostedCall
 
 #: Verdict kinds of injected faults (contract G5): a peer was killed, or a Fail broke the collective.
 _INJECTED = ("killed", "injected")
@@ -51,29 +53,20 @@ _INJECTED = ("killed", "injected")
 # an unmatched or mismatched call, and work that a run leaves unmatched cannot leak into the next run.
 # Issuing happens on the listener thread, in verdict order (per group: sequence order), so async calls
 # keep their meaning: they start when every rank has posted them, whether or not anyone waits yet.
+#
+# The check board (issue 44 item 4, :mod:`dstest.worlds.process.board`) takes the parent out of the common
+# case: a rank writes a digest of each collective into the pool's shared board, and when every member's
+# digest is there and equal, each rank issues the call itself (the last to arrive at once, the others on
+# the wake-up its write sends them), in sequence order per group. The referee still decides every call the
+# board does not match: digests that differ (a mismatch, or a call such as all_to_all whose ranks'
+# arguments legitimately differ), a rank that waits more than a few milliseconds (it posts its call then, so
+# that the referee can name a peer that finished or a deadlock), and calls still open when a rank's run
+# ends. Point-to-point calls and runs with injected faults go to the referee as before.
 
 
 _CHECK_DRAIN_S = 10.0  # seconds a rank waits, at the end of a run, for matched work still in flight
 _CHECK_ACK_S = 30.0  # seconds a rank waits for the referee to acknowledge the end of its run
 _CHECK_QUIET_WAIT_S = 0.005  # seconds a rank waits for a verdict before it tells the referee it waits
-
-
-class PostedCall:
-    """One posted call of this rank: its verdict, the gloo work issued for it, whether anyone waited."""
-
-    __slots__ = ("callbacks", "error", "event", "inner", "issue", "issue_error", "post_id", "record", "waited", "what")
-
-    def __init__(self, post_id: int, what: str, issue: Callable[[], Any]) -> None:
-        self.post_id = post_id
-        self.what = what  # "all_reduce(float32[4]@cpu, op=sum) on group world (seq 3)"
-        self.issue = issue
-        self.event = threading.Event()
-        self.error: tuple[str, str] | None = None  # (kind, message) from the referee
-        self.inner: Any = None  # the gloo Work, once issued
-        self.issue_error: BaseException | None = None  # gloo refused the call when it was issued
-        self.waited = False
-        self.callbacks: list[Callable[[], None]] = []
-        self.record: Any = None  # the run's trace record of the call (dstest.trace)
 
 
 def check_error(kind: str, message: str) -> BaseException:
@@ -101,8 +94,38 @@ class Checker:
         self.acked = threading.Event()
         self.recorder = _trace.Recorder(world_size, "process", callers=3)
         self.faults: RankFaults | None = None  # this rank's injected faults in this run (contract G5)
+        # The check board (issue 44 item 4): this rank's calls on the pool's board, whether this run uses
+        # it, and the run's shape rule (part of a call's digest).
+        self.board: BoardCalls | None = None
+        self.board_on = False
+        self.strict_shapes = False
+        self.quiet_wait_s = _CHECK_QUIET_WAIT_S
         self.listener = threading.Thread(target=self._listen, name="dstest-check-listener", daemon=True)
         self.listener.start()
+
+    def attach_board(self, path: str) -> None:
+        """Use the pool's check board (the file at ``path``) from the next run on."""
+        self.board = BoardCalls(self, path)
+
+    def board_key(self, gid: str) -> str:
+        """The key of a new group named ``gid`` on the check board (its name where the pool has no board)."""
+        return self.board.key(gid) if self.board is not None else gid
+
+    def post_collective(
+        self,
+        msg: tuple[Any, ...],
+        key: str,
+        call: Any,
+        refereed: bool,
+        what: str,
+        issue: Callable[[], Any],
+        record: Any = None,
+    ) -> PostedCall:
+        """Post collective ``call`` (``msg``: ("post", gid, members, seq, call)) on the check board where this
+        run has one (:meth:`BoardCalls.post`), else to the referee."""
+        if self.board_on and self.board is not None:
+            return self.board.post(msg, key, call, refereed, what, issue, record)
+        return self.post(msg, what, issue, record)
 
     @property
     def active(self) -> bool:
@@ -114,9 +137,14 @@ class Checker:
             self.conn.send_bytes(blob)
 
     # -- runs -------------------------------------------------------------------------------------------
-    def begin(self, run_id: int, faults: tuple[Fault, ...] = ()) -> None:
+    def begin(self, run_id: int, faults: tuple[Fault, ...] = (), strict_shapes: bool = False) -> None:
         with self.lock:
             self.faults = plan_for(faults, self.rank) if faults else None
+            # Runs with injected faults go through the referee only: it is what fails a call as a fault says.
+            self.board_on = self.board is not None and not faults
+            self.strict_shapes = strict_shapes
+            if self.board is not None:
+                self.board.begin()
             self.run_id = run_id
             self.records.clear()
             self.posted = []
@@ -141,6 +169,8 @@ class Checker:
         """Close this rank's run with the referee; returns (the error the run must fail with, why the
         worker is unusable), both None when everything this rank posted was matched and waited."""
         summary = "" if failure is None else f"{type(failure).__name__}: {failure}".splitlines()[0][:300]
+        if self.board_on and self.board is not None:
+            close_run(self.board)
         with self.lock:
             answered = all(rec.event.is_set() for rec in self.posted)
         # The referee's acknowledgement comes after every verdict it sent this rank, so waiting for it is
@@ -154,6 +184,8 @@ class Checker:
             self.run_id = 0
             return None, "the check channel to the parent is closed"
         acked = answered or self.acked.wait(_CHECK_ACK_S)
+        if self.board_on and self.board is not None:
+            issue_kept(self.board)
         with self.lock:
             posted = list(self.posted)
             raised = list(self.raised)
@@ -222,12 +254,20 @@ class Checker:
         rec.waited = True
         if rec.record is not None:
             rec.record.waiting(self.recorder.logs.get(self.rank))
+        if rec.gid and not rec.event.is_set() and self.board is not None:
+            self.board.wait(rec)
+            self._raise_for(rec)
+            return
         # The referee hears of the wait (for its deadlock and finished-peer reports) only when the verdict
         # is slow in coming: a matched call's verdict usually arrives first, one message less per call.
-        if not rec.event.wait(_CHECK_QUIET_WAIT_S):
+        if not rec.event.wait(self.quiet_wait_s):
             with contextlib.suppress(EOFError, OSError):
                 self._send(("wait", self.run_id, rec.post_id))
             rec.event.wait()
+        self._raise_for(rec)
+
+    def _raise_for(self, rec: PostedCall) -> None:
+        """Raise what ``rec``'s verdict says (a mismatch, an injected fault, gloo's refusal), if anything."""
         if rec.error is not None:
             if rec.error[0] != "aborted" and rec.error[0] not in _INJECTED:  # a fault's error is expected
                 with self.lock:
@@ -252,18 +292,28 @@ class Checker:
             rec = self.records.pop(msg[2], None)
             if rec is None:
                 continue
+            if rec.gid and self.board is not None:  # a collective of the board: issued in its group's order
+                self.board.verdict(rec, msg)
+                continue
             if kind == "ok":
-                try:
-                    rec.inner = rec.issue()
-                except Exception as exc:
-                    rec.issue_error = exc
+                self._issue(rec)
             else:
                 rec.error = (msg[3], msg[4])
-            if rec.record is not None:
-                rec.record.finished(check_error(*rec.error) if rec.error is not None else rec.issue_error)
-            with self.lock:
-                rec.event.set()
-                callbacks = list(rec.callbacks)
-            for cb in callbacks:
-                with contextlib.suppress(Exception):
-                    cb()
+            self._decided(rec)
+
+    def _issue(self, rec: PostedCall) -> None:
+        try:
+            rec.inner = rec.issue()
+        except Exception as exc:
+            rec.issue_error = exc
+
+    def _decided(self, rec: PostedCall) -> None:
+        """``rec`` has its verdict (and its gloo work, if "ok"): its waiter and callbacks learn of it."""
+        if rec.record is not None:
+            rec.record.finished(check_error(*rec.error) if rec.error is not None else rec.issue_error)
+        with self.lock:
+            rec.event.set()
+            callbacks = list(rec.callbacks)
+        for cb in callbacks:
+            with contextlib.suppress(Exception):
+                cb()

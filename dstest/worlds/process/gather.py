@@ -25,7 +25,9 @@ class Gathering:
     first) goes into ``killed``, not ``dead``: the run goes on without it; its fault counters go into
     ``tallies``."""
 
-    def __init__(self, workers: list[WorkerHandle], run_id: int, *, checked: bool, strict_shapes: bool) -> None:
+    def __init__(
+        self, workers: list[WorkerHandle], run_id: int, *, checked: bool, strict_shapes: bool, board: Any = None
+    ) -> None:
         self.workers = workers
         self.run_id = run_id
         self.replies: dict[int, Reply] = {}
@@ -35,7 +37,9 @@ class Gathering:
         self.first_failure: float | None = None
         # gloo pools: their workers' groups post every call to this run's referee
         self.referee = (
-            Referee(run_id, len(workers), [w.check for w in workers], strict_shapes=strict_shapes) if checked else None
+            Referee(run_id, len(workers), [w.check for w in workers], strict_shapes=strict_shapes, board=board)
+            if checked
+            else None
         )
 
     def run(self, blob: bytes, timeout: float) -> None:

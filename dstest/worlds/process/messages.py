@@ -39,6 +39,7 @@ class Command(NamedTuple):
     resets: tuple[str, ...] = ()  # dstest.resets references to call before the run, in order
     watch: tuple[str, ...] = ()  # module prefixes whose module-level state is put back after the run
     faults: tuple[Any, ...] = ()  # the run's injected faults (RunRequest.faults, contract G5)
+    strict_shapes: bool = False  # shapes must be equal, not only element counts (part of a call's board digest)
 
 
 class Reply(NamedTuple):
@@ -72,6 +73,7 @@ class WorkerConfig:
     stack_path: str
     parent_pid: int
     env: dict[str, str] = field(default_factory=dict)
+    board_path: str = ""  # the pool's check board (gloo pools where the machine has one), else ""
 
 
 class RemoteRankError(Exception):

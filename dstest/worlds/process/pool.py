@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import pickle
@@ -22,6 +23,7 @@ import dstest.trace as _trace
 from dstest.errors import InvalidArgument, RankFailure, WorkerDied
 from dstest.resets import registered as registered_resets
 from dstest.worlds.core.faults import Killed, not_fired_error, not_fired_note
+from dstest.worlds.process import board
 from dstest.worlds.process.gather import FAILURE_GRACE, Gathering
 from dstest.worlds.process.handle import WorkerHandle
 from dstest.worlds.process.launch import free_port, mp_context, start_fork_server, threads_per_rank
@@ -61,12 +63,18 @@ class Pool:
         self.dir = ""
         self.launcher: threading.Thread | None = None
         self.launch_error: BaseException | None = None
+        self.board: board.Board | None = None  # the parent's view of the check board (gloo pools)
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> Pool:
         """Launch the workers and return at once; they form the group in the background."""
         self.dir = tempfile.mkdtemp(prefix=f"dstest-{self.key.backend}-ws{self.key.world_size}-")
         configs = _worker_configs(self.key, self.world_name, self.dir)
+        if self.key.backend == "gloo" and board.available():  # the cross-rank check's shared board
+            path = os.path.join(self.dir, "board")
+            board.create(path, self.key.world_size)
+            self.board = board.Board(path, self.key.world_size)
+            configs = [dataclasses.replace(cfg, board_path=path) for cfg in configs]
         self.started_at = time.monotonic()
         start_fork_server()  # here, not on the launcher thread: it sets an environment variable for a moment
         # Launching blocks while a fresh fork server imports torch; do it off the caller's thread.
@@ -175,6 +183,9 @@ class Pool:
             with contextlib.suppress(Exception):
                 w.process.close()
         self.closed = True
+        if self.board is not None:
+            self.board.close()
+            self.board = None
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -190,7 +201,13 @@ class Pool:
         run_id = next(self.run_ids)
         blob = _command(run_id, ref, request)
         log_starts = {w.rank: w.log_size() for w in self.workers}
-        run = Gathering(self.workers, run_id, checked=self.key.backend == "gloo", strict_shapes=request.strict_shapes)
+        run = Gathering(
+            self.workers,
+            run_id,
+            checked=self.key.backend == "gloo",
+            strict_shapes=request.strict_shapes,
+            board=self.board,
+        )
         try:
             run.run(blob, request.timeout)
         except BaseException:
@@ -255,6 +272,7 @@ def _command(run_id: int, ref: FnRef, request: RunRequest) -> bytes:
         registered_resets(),
         request.watch_modules,
         tuple(request.faults),
+        request.strict_shapes,
     )
     try:
         return pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)

@@ -7,6 +7,11 @@ referee is their transport for processes: it reads the ranks' posts from pipes a
 verdict ("ok", or the error) that the rank's checked group waits for. A worker that an injected ``Kill``
 ends (contract G5) says so ("killed") just before it kills itself, so the referee fails its peers' calls
 at once with a backend error that names it, as it does for a rank that finished.
+
+With the pool's check board (:mod:`dstest.worlds.process.board`), ranks whose digests match never post: the
+referee gets a board call only when its digests differ or a rank waits long for it. It reads the board too,
+and answers "ok" for a posted call the board matches, before it names a rank that left or a deadlock: a rank
+that went on after the board matched its call is not waiting, whatever its last message said.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dstest.worlds.core import matching
 from dstest.worlds.core.faults import RankFaults
 from dstest.worlds.core.matching import Exchange
 from dstest.worlds.core.rank_states import RankStates
+from dstest.worlds.process import board as _board
 
 
 class _Transfer(NamedTuple):
@@ -38,8 +44,20 @@ class Referee:
     cannot complete.
     """
 
-    def __init__(self, run_id: int, world_size: int, conns: list[Connection], strict_shapes: bool = False) -> None:
+    def __init__(
+        self,
+        run_id: int,
+        world_size: int,
+        conns: list[Connection],
+        strict_shapes: bool = False,
+        board: _board.Board | None = None,
+    ) -> None:
         self.run_id = run_id
+        self.board = board  # the pool's check board, read for the calls posted from it
+        # (rank, post id) -> (the group's name, its key on the board, members, seq)
+        self.on_board: dict[tuple[int, int], tuple[str, str, tuple[int, ...], int]] = {}
+        if board is not None:
+            board.slots.clear()
         self.strict_shapes = strict_shapes  # shapes must be equal, not only element counts (contract E2)
         self.world_size = world_size
         self.conns = conns
@@ -60,7 +78,12 @@ class Referee:
         if msg[1] != self.run_id:
             return
         kind = msg[0]
-        if kind == "post":
+        if kind == "post":  # its last fields: an injected Fail's text, the group's key on the board (if on it)
+            if len(msg) > 8 and msg[8]:
+                self.on_board[(rank, msg[2])] = (msg[3], msg[8], msg[4], msg[5])
+                if self._matched_on_board(msg[8], msg[4], msg[5]):
+                    self._answer_matched(msg[3], msg[5], [(rank, msg[2])])
+                    return
             self._post(rank, msg[2], msg[3], msg[4], msg[5], msg[6], msg[7] if len(msg) > 7 else None)
         elif kind == "p2p":
             self._p2p(rank, *msg[2:])
@@ -83,6 +106,7 @@ class Referee:
     def _answer(self, rank: int, post_id: int, *answer: str) -> None:
         """Answer rank ``rank``'s post ``post_id`` ("ok", or "err" with the error's kind and message)."""
         self.pending.pop((rank, post_id), None)
+        self.on_board.pop((rank, post_id), None)
         self.states.stop_waiting(rank, post_id)
         verdict, *error = answer
         self._send(rank, (verdict, self.run_id, post_id, *error))
@@ -175,8 +199,39 @@ class Referee:
         self._ok(send.rank, send.post_id)
         self._ok(recv.rank, recv.post_id)
 
+    # -- the check board ------------------------------------------------------------------------------------
+    def _matched_on_board(self, key: str, members: tuple[int, ...], seq: int) -> bool:
+        board = self.board
+        if board is None:
+            return False
+        with board.locked():
+            return board.status(self.run_id, key, members, seq) == _board.MATCH
+
+    def _answer_matched(self, gid: str, seq: int, sides: list[tuple[int, int]]) -> None:
+        """Call ``seq`` of ``gid`` matched on the board: "ok" to every side posted of it (each rank issues it
+        in its group's order), and its exchange is closed."""
+        ex = self.exchanges.pop((gid, seq), None)
+        for side in {*sides, *(ex.sides if ex is not None else ())}:
+            if side in self.pending or side in sides:
+                self._ok(*side)
+
+    def _resolve_board(self) -> None:
+        """Answer the posted calls the board has matched since they were posted (before anything that reads
+        which ranks still wait: a rank whose call matched went on)."""
+        board = self.board
+        if board is None or not self.on_board:
+            return
+        matched: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        with board.locked():
+            for side, (gid, key, members, seq) in self.on_board.items():
+                if board.status(self.run_id, key, members, seq) == _board.MATCH:
+                    matched.setdefault((gid, seq), []).append(side)
+        for (gid, seq), sides in matched.items():
+            self._answer_matched(gid, seq, sides)
+
     # -- ranks leaving, deadlocks ---------------------------------------------------------------------------
     def _done(self, rank: int, ok: bool, summary: str, ack: bool) -> None:
+        self._resolve_board()
         kind, phrase = self.states.leave(rank, ok, summary)
         for ex in list(self.exchanges.values()):
             if rank in ex.global_ranks and ex.error is None:  # its own side stays unanswered: it reports that
@@ -199,6 +254,9 @@ class Referee:
     def _detect_deadlock(self) -> None:
         if not self.states.everyone_waits():
             return  # some rank is still running and may yet post what the others wait for
+        self._resolve_board()
+        if not self.states.everyone_waits():
+            return
         message = self.states.deadlock_text(lambda r, p: (self.pending[(r, p)][0], self._needs(r, p)))
         for r, post_id in list(self.blocked.items()):
             self._fail(r, post_id, "mismatch", message)

@@ -125,6 +125,8 @@ def _form_group(cfg: WorkerConfig, check_conn: Connection) -> tuple[Any, Checker
     checker = None
     if key.backend == "gloo":
         checker = Checker(check_conn, cfg.rank, key.world_size)
+        if cfg.board_path:
+            checker.attach_board(cfg.board_path)
         install_checking(checker)
     dist.init_process_group(
         key.backend,
@@ -254,7 +256,8 @@ class _Server:
             cmd = pickle.loads(blob)
             run_id = cmd.run_id
             if self.checker is not None:
-                self.checker.begin(run_id, cmd.faults)  # before anything can fail: the referee hears of every end
+                # before anything can fail: the referee hears of every end
+                self.checker.begin(run_id, cmd.faults, cmd.strict_shapes)
                 checking = True
             fn, ctx = self._prepare(cmd)
             token = ctx.bind()

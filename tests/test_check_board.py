@@ -1,0 +1,384 @@
+"""The process world's check board (issue 44 item 4): ranks whose digests match go on without the parent.
+
+The board itself (:mod:`dstest.worlds.process.board`) is a checker: a digest that two different calls share,
+or a status of MATCH for entries that differ or are missing, would let gloo run mismatched calls (a hang or
+an abort instead of a report). So its rules are tested adversarially here, every perturbation of a call or of
+an entry must change the answer, and then in the process world: correct programs decided on the board with
+no post to the referee, async calls started by the watcher, a rank far ahead of its peer, and wrong programs
+still reported with the referee's texts.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dstest
+from dstest.errors import RankFailure
+from dstest.worlds import collectives as C
+from dstest.worlds.process import board as B
+from dstest.worlds.process.messages import Dev, Meta
+
+pytestmark = [
+    pytest.mark.cpu,
+    pytest.mark.skipif(not B.available(), reason="no check board on this machine (Linux futexes)"),
+]
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool]
+_OPS = ["sum", "avg", "max", "min", "product"]
+
+
+def _board(tmp_path: Any, world_size: int) -> B.Board:
+    path = str(tmp_path / f"board-{world_size}-{time.monotonic_ns()}")
+    B.create(path, world_size)
+    return B.Board(path, world_size)
+
+
+def _all_reduce(rank: int, size: int, dtype: Any, shape: tuple[int, ...], op: str) -> Any:
+    return C.AllReduce(rank, size, Meta(dtype, shape, Dev("cpu")), op)
+
+
+# -- digests ---------------------------------------------------------------------------------------------
+_CALL = st.fixed_dictionaries(
+    {
+        "run": st.integers(1, 5),
+        "gid": st.sampled_from(["0", "1", "tp", "dp-3"]),
+        "members": st.sampled_from([(0, 1), (0, 1, 2, 3), (1, 3), (2, 0)]),
+        "seq": st.integers(1, 400),
+        "dtype": st.sampled_from(_DTYPES),
+        "shape": st.lists(st.integers(0, 5), min_size=1, max_size=3).map(tuple),
+        "op": st.sampled_from(_OPS),
+    }
+)
+
+
+def _digest(c: dict[str, Any], rank: int = 0, strict: bool = False) -> bytes:
+    call = _all_reduce(rank, len(c["members"]), c["dtype"], c["shape"], c["op"])
+    call.strict_shapes = strict
+    return B.call_digest(c["run"], c["gid"], c["members"], c["seq"], call)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_CALL, _CALL)
+def test_two_calls_share_a_digest_exactly_when_the_referee_finds_them_equal(a, b):
+    same = (a["run"], a["gid"], a["members"], a["seq"], a["op"], a["dtype"]) == (
+        b["run"],
+        b["gid"],
+        b["members"],
+        b["seq"],
+        b["op"],
+        b["dtype"],
+    ) and _numel(a["shape"]) == _numel(b["shape"])
+    assert (_digest(a, rank=0) == _digest(b, rank=1)) == same  # the rank is not part of it
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@settings(max_examples=200, deadline=None)
+@given(_CALL, st.data())
+def test_every_field_of_a_call_moves_its_digest(c, data):
+    field = data.draw(st.sampled_from(["run", "gid", "members", "seq", "dtype", "op", "numel"]))
+    other = dict(c)
+    if field == "run":
+        other["run"] = c["run"] + data.draw(st.integers(1, 3))
+    elif field == "gid":
+        other["gid"] = c["gid"] + "x"
+    elif field == "members":
+        other["members"] = (*c["members"], 7)
+    elif field == "seq":
+        other["seq"] = c["seq"] + data.draw(st.sampled_from([-1, 1, B.RING]))
+    elif field == "dtype":
+        other["dtype"] = data.draw(st.sampled_from([d for d in _DTYPES if d != c["dtype"]]))
+    elif field == "op":
+        other["op"] = data.draw(st.sampled_from([o for o in _OPS if o != c["op"]]))
+    else:
+        other["shape"] = (*c["shape"], 2) if _numel(c["shape"]) else (1,)
+    assert _digest(c) != _digest(other)
+
+
+def test_shapes_count_in_a_digest_only_under_strict_shapes():
+    a, b = dict(run=1, gid="0", members=(0, 1), seq=1, dtype=torch.float32, op="sum"), {}
+    b = dict(a)
+    a["shape"], b["shape"] = (2, 3), (6,)
+    assert _digest(a) == _digest(b)
+    assert _digest(a, strict=True) != _digest(b, strict=True)
+
+
+def test_a_premul_sum_factor_is_not_part_of_the_digest():
+    """NCCL matches premul_sum whatever each rank's factor, and so does the referee."""
+    one = C.AllReduce(0, 2, Meta(torch.float32, (4,), Dev("cpu")), C.PremulSum(0.5))
+    two = C.AllReduce(1, 2, Meta(torch.float32, (4,), Dev("cpu")), C.PremulSum(2.0))
+    assert B.call_digest(1, "0", (0, 1), 1, one) == B.call_digest(1, "0", (0, 1), 1, two)
+
+
+def test_marks_equal_no_digest_and_no_other_rank_s_mark():
+    call = _all_reduce(0, 2, torch.float32, (4,), "sum")
+    marks = {B.mark(1, r, 1, why) for r in range(4) for why in ("refereed", "left")}
+    assert len(marks) == 8
+    assert B.call_digest(1, "0", (0, 1), 1, call) not in marks
+
+
+# -- entries and statuses ----------------------------------------------------------------------------------
+@settings(max_examples=150, deadline=None)
+@given(
+    members=st.lists(st.integers(0, 3), min_size=1, max_size=4, unique=True),
+    seq=st.integers(1, 3 * B.RING),
+    perturb=st.sampled_from(["none", "bit", "missing", "other_seq", "other_run", "other_group", "mark"]),
+    data=st.data(),
+)
+def test_status_is_match_only_when_every_member_wrote_the_same_digest(tmp_path_factory, members, seq, perturb, data):
+    board = _board(tmp_path_factory.mktemp("b"), 4)
+    run, gid = 3, "g"
+    digest = bytes(range(16))
+    victim = data.draw(st.sampled_from(members))
+    with board.locked():
+        for m in members:  # a write RING calls past a peer's last decided call is refused: all level here
+            board._slot(m, run, B.gid_hash(gid), claim=True)
+            board.set_decided(m, run, gid, max(0, seq - B.RING))
+        for m in sorted(members, key=lambda m: m == victim):  # the victim last: its slot may move to another run
+            d, r, s, g = digest, run, seq, gid
+            if m == victim and perturb == "bit":
+                bit = data.draw(st.integers(0, 127))
+                d = bytes(b ^ (1 << (bit % 8)) if i == bit // 8 else b for i, b in enumerate(digest))
+            elif m == victim and perturb == "missing":
+                continue
+            elif m == victim and perturb == "other_seq":
+                s = seq + data.draw(st.sampled_from([1, B.RING]))
+            elif m == victim and perturb == "other_run":
+                r = run + 1
+            elif m == victim and perturb == "other_group":
+                g = "h"
+            elif m == victim and perturb == "mark":
+                d = B.mark(run, m, seq, "left")
+            if (r, g, s) != (run, gid, seq):  # the victim's entry lands elsewhere (or nowhere, where refused)
+                board.write(m, r, g, members, s, d)
+                continue
+            board.set_decided(m, run, gid, max(0, s - B.RING))
+            assert board.write(m, r, g, members, s, d)
+        status = board.status(run, gid, members, seq)
+    if perturb == "none":
+        assert status == B.MATCH
+    elif perturb in ("bit", "mark"):
+        assert status == (B.DIFFER if len(members) > 1 else B.MATCH)
+    else:  # the victim's entry for this call is not there
+        assert status == B.PENDING
+
+
+def test_a_mark_over_a_written_digest_turns_a_match_into_a_difference(tmp_path):
+    board = _board(tmp_path, 2)
+    with board.locked():
+        for r in (0, 1):
+            assert board.write(r, 1, "0", (0, 1), 1, b"d" * 16)
+        assert board.status(1, "0", (0, 1), 1) == B.MATCH
+        board.overwrite(1, 1, "0", 1, B.mark(1, 1, 1, "left"))
+        assert board.status(1, "0", (0, 1), 1) == B.DIFFER
+        board.overwrite(1, 1, "0", 2, b"d" * 16)  # no entry for seq 2: nothing written
+        assert board.status(1, "0", (0, 1), 2) == B.PENDING
+
+
+def test_a_rank_cannot_write_over_an_entry_a_peer_still_needs(tmp_path):
+    board = _board(tmp_path, 2)
+    with board.locked():
+        for seq in range(1, B.RING + 1):
+            assert board.write(0, 1, "0", (0, 1), seq, b"a" * 16)
+        # rank 1 never decided seq 1: rank 0's entry RING calls later would overwrite it
+        board.set_decided(0, 1, "0", B.RING)
+        assert board._slot(1, 1, B.gid_hash("0"), claim=False) is None
+        assert not board.write(0, 1, "0", (0, 1), B.RING + 1, b"a" * 16)
+        assert board.write(1, 1, "0", (0, 1), 1, b"a" * 16)
+        assert not board.write(0, 1, "0", (0, 1), B.RING + 1, b"a" * 16)  # rank 1 still needs seq 1
+        board.set_decided(1, 1, "0", 1)
+        assert board.write(0, 1, "0", (0, 1), B.RING + 1, b"a" * 16)
+        assert board.status(1, "0", (0, 1), 1) == B.PENDING  # seq 1's entry of rank 0 is gone, as allowed
+
+
+def test_groups_past_the_table_are_refused_and_a_new_run_starts_empty(tmp_path):
+    board = _board(tmp_path, 1)
+    with board.locked():
+        for g in range(B.GROUPS):
+            assert board.write(0, 1, f"g{g}", (0,), 1, b"x" * 16)
+        assert not board.write(0, 1, "one-too-many", (0,), 1, b"x" * 16)
+        assert board.status(1, "g5", (0,), 1) == B.MATCH
+        board.slots.clear()
+        assert board.status(2, "g5", (0,), 1) == B.PENDING  # the next run sees none of it
+        assert board.write(0, 2, "one-too-many", (0,), 1, b"x" * 16)
+
+
+def test_a_write_in_another_process_view_is_seen_and_wakes_a_sleeper(tmp_path):
+    """Two views of one file (two processes' maps): a sleeper on rank 1's word wakes at the bump, long
+    before its timeout, and sees the entry."""
+    path = str(tmp_path / "board")
+    B.create(path, 2)
+    mine, theirs = B.Board(path, 2), B.Board(path, 2)
+    with mine.locked():
+        mine.set_waiting(1, True)  # a thread of rank 1 waits: the bump goes to its word, not its watcher's
+        seen = mine.word(1)
+        assert mine.status(1, "0", (0, 1), 1) == B.PENDING
+
+    def writer() -> None:
+        time.sleep(0.2)
+        with theirs.locked():
+            theirs.write(0, 1, "0", (0, 1), 1, b"q" * 16)
+            theirs.write(1, 1, "0", (0, 1), 1, b"q" * 16)
+            woken = theirs.bump([1])
+        theirs.wake(woken)
+
+    t = threading.Thread(target=writer)
+    start = time.monotonic()
+    t.start()
+    mine.sleep(1, seen, 20.0)
+    assert time.monotonic() - start < 10.0
+    t.join()
+    with mine.locked():
+        assert mine.status(1, "0", (0, 1), 1) == B.MATCH
+    mine.close()
+    theirs.close()
+
+
+# -- the process world ---------------------------------------------------------------------------------------
+def _posts_of(body: Any, ctx: Any) -> tuple[Any, int]:
+    """Run ``body`` on this rank counting the posts its checker sends the referee, with the quiet wait
+    raised so that a slow machine does not post a call the board would match."""
+    from dstest.worlds.process import checked
+
+    ck = checked._CHECKER
+    assert ck is not None and ck.board_on
+    sent: list[str] = []
+    send, quiet = ck._send, ck.quiet_wait_s
+    ck._send = lambda msg: (sent.append(msg[0]), send(msg))[1]  # type: ignore[method-assign]
+    ck.quiet_wait_s = 5.0
+    try:
+        return body(ctx), sent.count("post")
+    finally:
+        ck._send = send  # type: ignore[method-assign]
+        ck.quiet_wait_s = quiet
+
+
+def _correct_body(ctx: Any) -> list[float]:
+    out = []
+    t = torch.full((3,), float(ctx.rank + 1))
+    sub = dist.new_group([0, 1])
+    for step in range(3):
+        dist.all_reduce(t)
+        b = torch.full((2,), float(ctx.rank + step))
+        dist.broadcast(b, src=step % ctx.world_size)
+        g = torch.empty(2 * ctx.world_size)
+        dist.all_gather_into_tensor(g, torch.full((2,), float(ctx.rank)))
+        if ctx.rank in (0, 1):
+            dist.all_reduce(b, group=sub)
+        out += [t.sum().item(), b.sum().item(), g.sum().item()]
+    return out
+
+
+def _board_world(ctx: Any) -> tuple[Any, int]:
+    return _posts_of(_correct_body, ctx)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_correct_program_is_decided_on_the_board_with_no_post_to_the_referee(world_size):
+    """The same values as the threaded world (the reference), and not one post: every call matched on the
+    board. With the board's status forced to "differ", every call is posted (so the count can fail)."""
+    reference = dstest.run(_correct_body, world_size, world="threaded")
+    results = dstest.run(_board_world, world_size, world="process")
+    assert [r[0] for r in results] == reference
+    assert [r[1] for r in results] == [0] * world_size
+
+
+def _all_refereed(ctx: Any) -> tuple[Any, int]:
+    from dstest.worlds.process import board
+
+    status = board.Board.status
+    board.Board.status = lambda self, *a: board.DIFFER if status(self, *a) == board.MATCH else status(self, *a)  # type: ignore[method-assign]
+    try:
+        return _posts_of(_correct_body, ctx)
+    finally:
+        board.Board.status = status  # type: ignore[method-assign]
+
+
+def test_a_board_that_matched_nothing_sends_every_call_to_the_referee_with_the_same_values():
+    reference = dstest.run(_correct_body, 2, world="threaded")
+    results = dstest.run(_all_refereed, 2, world="process")
+    assert [r[0] for r in results] == reference
+    assert all(r[1] >= 12 for r in results)  # 4 calls a step on rank 0 and 1, 3 steps
+
+
+def _async_then_store(ctx: Any) -> float:
+    """Rank 0 posts an async all_reduce and then blocks outside dstest until rank 1's synchronous one
+    completed: only rank 0's watcher can start rank 0's side (gloo starts an async call when it is issued)."""
+    store = dist.distributed_c10d._get_default_store()
+    t = torch.full((4,), float(ctx.rank + 1))
+    if ctx.rank == 0:
+        work = dist.all_reduce(t, async_op=True)
+        store.wait([f"board-done-{ctx.seed}"])
+        work.wait()
+    else:
+        time.sleep(0.05)  # rank 0's call is open on the board (its watcher asleep) when this one arrives
+        dist.all_reduce(t)
+        store.set(f"board-done-{ctx.seed}", "1")
+    return t[0].item()
+
+
+def test_an_async_call_nobody_waits_for_yet_is_started_by_the_watcher():
+    assert dstest.run(_async_then_store, 2, world="process", timeout=60) == [3.0, 3.0]
+
+
+def _far_ahead(ctx: Any, n: int) -> float:
+    """Rank 1 posts ``n`` async all_reduces at once, more than the board's ring holds, before rank 0 starts."""
+    t = [torch.full((1,), float(i)) for i in range(n)]
+    if ctx.rank == 1:
+        works = [dist.all_reduce(x, async_op=True) for x in t]
+        for w in works:
+            w.wait()
+    else:
+        time.sleep(0.2)
+        for x in t:
+            dist.all_reduce(x)
+    return sum(x.item() for x in t)
+
+
+def test_a_rank_more_calls_ahead_than_the_ring_holds_gets_the_right_values():
+    n = B.RING + 40
+    assert dstest.run(_far_ahead, 2, world="process", args=(n,), timeout=120) == [float(n * (n - 1))] * 2
+
+
+def _one_rank_differs(ctx: Any) -> None:
+    dist.all_reduce(torch.ones(4))
+    dist.all_reduce(torch.ones(4, dtype=torch.float64 if ctx.rank == ctx.world_size - 1 else torch.float32))
+
+
+def test_a_mismatch_after_matched_calls_is_the_referee_s_report():
+    with pytest.raises(RankFailure) as info:
+        dstest.run(_one_rank_differs, 4, world="process")
+    text = str(info.value)
+    assert "collective mismatch on group world (seq 2)" in text
+    assert "float64" in text and "float32" in text
+    assert "4 of 4 ranks failed" in text
+
+
+def _left_with_an_open_call(ctx: Any) -> None:
+    dist.all_reduce(torch.ones(2))
+    if ctx.rank == 0:
+        dist.all_reduce(torch.ones(2), async_op=True)  # posted on the board, then the function returns
+        return
+    time.sleep(0.3)
+    dist.all_reduce(torch.ones(2))  # arrives after rank 0 gave its entry up
+
+
+def test_a_rank_that_left_gives_its_open_call_up_and_its_peer_is_told_so():
+    with pytest.raises(RankFailure) as info:
+        dstest.run(_left_with_an_open_call, 2, world="process", timeout=60)
+    text = str(info.value)
+    assert "rank 0 finished its function without waiting for its all_reduce(float32[2]@cpu, op=sum)" in text
+    assert "was not matched by the other ranks it needs before the function returned" in text
