@@ -382,3 +382,25 @@ def test_a_rank_that_left_gives_its_open_call_up_and_its_peer_is_told_so():
     text = str(info.value)
     assert "rank 0 finished its function without waiting for its all_reduce(float32[2]@cpu, op=sum)" in text
     assert "was not matched by the other ranks it needs before the function returned" in text
+
+
+def _slow_then_matched(ctx: Any) -> float:
+    """Rank 1 waits for its first call past the quiet wait (posted to the referee), which then matches on the
+    board; more than a ring of calls later, rank 0 waits past the quiet wait while rank 1 is busy."""
+    t = torch.zeros(1)
+    if ctx.rank == 0:
+        time.sleep(0.1)
+    dist.all_reduce(t)
+    for _ in range(B.RING + 5):  # the first call's entries are written over
+        dist.all_reduce(t)
+    if ctx.rank == 1:
+        time.sleep(0.2)
+    dist.all_reduce(torch.ones(1))
+    return t.item()
+
+
+def test_a_call_posted_as_slow_and_matched_on_the_board_is_withdrawn_from_the_referee():
+    """Without the withdrawal the referee still counted rank 1 as waiting in its first call, and named a
+    deadlock when rank 0 waited for rank 1's last (a false report on a correct program, found by
+    bench_checking)."""
+    assert dstest.run(_slow_then_matched, 2, world="process", timeout=60) == [0.0, 0.0]

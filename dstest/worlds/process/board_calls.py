@@ -132,6 +132,8 @@ class BoardCalls:
                     break
             queue.popleft()
             self.ck.records.pop(head.post_id, None)
+            if head.sent and not head.ok:  # posted as slow, then matched here: the referee must not wait for it
+                self.ck._send(("withdraw", run, head.post_id))
             board.set_decided(self.ck.rank, run, gid, head.seq)
             ready.append(head)
         return ready

@@ -87,6 +87,14 @@ class Referee:
             self._post(rank, msg[2], msg[3], msg[4], msg[5], msg[6], msg[7] if len(msg) > 7 else None)
         elif kind == "p2p":
             self._p2p(rank, *msg[2:])
+        elif kind == "withdraw":  # a call posted as slow that the rank then saw matched on the board
+            side = (rank, msg[2])
+            info = self.on_board.get(side)
+            if info is not None and side in self.pending:
+                self.pending.pop(side)
+                self.on_board.pop(side)
+                self.states.stop_waiting(rank, msg[2])
+                self._answer_matched(info[0], info[3], [])  # the other sides posted of it matched too
         elif kind == "wait":
             if (rank, msg[2]) in self.pending:
                 self.states.wait(rank, msg[2])
