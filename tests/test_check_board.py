@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import dstest
@@ -404,3 +404,75 @@ def test_a_call_posted_as_slow_and_matched_on_the_board_is_withdrawn_from_the_re
     deadlock when rank 0 waited for rank 1's last (a false report on a correct program, found by
     bench_checking)."""
     assert dstest.run(_slow_then_matched, 2, world="process", timeout=60) == [0.0, 0.0]
+
+
+# -- random programs on the board: the threaded world's values, or the referee's report --------------------
+_OPS_DRAWN = ["all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier"]
+_STEP = st.tuples(
+    st.sampled_from(_OPS_DRAWN),
+    st.sampled_from(["world", "low", "high"]),  # the world, ranks [0, 1], ranks [1 .. W-1]
+    st.integers(1, 3),  # elements per rank
+    st.booleans(),  # async_op, waited at the end of the program
+    st.lists(st.sampled_from([0.0, 0.0, 0.002, 0.008]), min_size=4, max_size=4),  # each rank's pause first
+)
+
+
+def _program(ctx: Any, steps: list[Any], perturb: tuple[int, int] | None) -> list[float]:
+    w, me = ctx.world_size, ctx.rank
+    groups = {"world": None, "low": dist.new_group([0, 1]), "high": dist.new_group(list(range(1, w)))}
+    members = {"world": range(w), "low": [0, 1], "high": range(1, w)}
+    out: list[float] = []
+    pending: list[tuple[Any, torch.Tensor]] = []
+    for i, (op, name, n, async_, pauses) in enumerate(steps):
+        if me not in members[name]:
+            continue
+        group, size = groups[name], len(members[name])
+        if pauses[me]:
+            time.sleep(pauses[me])
+        if perturb == (i, me):
+            n += 1  # this rank's call differs from its peers'
+        x = torch.arange(n, dtype=torch.float32) + me
+        if op == "all_reduce":
+            work, result = dist.all_reduce(x, group=group, async_op=async_), x
+        elif op == "broadcast":
+            root = dist.get_global_rank(group, 0) if group is not None else 0
+            work, result = dist.broadcast(x, src=root, group=group, async_op=async_), x
+        elif op == "all_gather_into_tensor":
+            result = torch.empty(n * size)
+            work = dist.all_gather_into_tensor(result, x, group=group, async_op=async_)
+        elif op == "reduce_scatter_tensor":
+            result = torch.empty(n)
+            work = dist.reduce_scatter_tensor(result, x.repeat(size), group=group, async_op=async_)
+        else:
+            work, result = dist.barrier(group=group, async_op=async_), torch.zeros(1)
+        if async_:
+            pending.append((work, result))
+        else:
+            out.append(result.sum().item())
+    for work, result in pending:
+        work.wait()
+        out.append(result.sum().item())
+    return out
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(2, 4), st.lists(_STEP, min_size=1, max_size=8))
+def test_random_programs_on_the_board_give_the_threaded_world_s_values(world_size, steps):
+    reference = dstest.run(_program, world_size, world="threaded", args=(steps, None))
+    assert dstest.run(_program, world_size, world="process", args=(steps, None), timeout=60) == reference
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(2, 4), st.lists(_STEP, min_size=1, max_size=6), st.data())
+def test_one_rank_s_differing_call_in_a_random_program_is_the_referee_s_mismatch(world_size, steps, data):
+    i = data.draw(st.integers(0, len(steps) - 1))
+    op, name, *_ = steps[i]
+    if op == "barrier":
+        steps[i] = ("all_reduce", *steps[i][1:])
+    members = {"world": range(world_size), "low": [0, 1], "high": range(1, world_size)}[name]
+    assume(len(members) > 1)  # a group of one has no peer to differ from
+    rank = data.draw(st.sampled_from(list(members)))
+    with pytest.raises(RankFailure) as info:
+        dstest.run(_program, world_size, world="process", args=(steps, (i, rank)), timeout=60)
+    text = str(info.value)
+    assert "collective mismatch on group" in text and f"rank {rank} called" in text
