@@ -10,6 +10,7 @@ still reported with the referee's texts.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -245,6 +246,24 @@ def test_a_write_in_another_process_view_is_seen_and_wakes_a_sleeper(tmp_path):
         assert mine.status(1, "0", (0, 1), 1) == B.MATCH
     mine.close()
     theirs.close()
+
+
+def test_a_bump_moves_the_waiting_thread_s_word_or_else_the_watcher_s_and_only_that_rank_s(tmp_path):
+    board = _board(tmp_path, 3)
+    with board.locked():
+        words = {(r, w): board.word(r, watcher=w) for r in range(3) for w in (False, True)}
+        board.set_waiting(1, False)
+        assert board.bump([1]) != []
+        assert board.word(1, watcher=True) == words[(1, True)] + 1 and board.word(1) == words[(1, False)]
+        board.set_waiting(1, True)
+        board.bump([1])
+        assert board.word(1) == words[(1, False)] + 1 and board.word(1, watcher=True) == words[(1, True)] + 1
+        for r in (0, 2):  # the other ranks' words did not move
+            assert (board.word(r), board.word(r, watcher=True)) == (words[(r, False)], words[(r, True)])
+    fd = board.fd
+    board.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)
 
 
 # -- the process world ---------------------------------------------------------------------------------------

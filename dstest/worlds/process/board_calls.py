@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["BoardCalls"]
 
 _BOARD_NAP_S = 0.05  # the longest the board's watcher sleeps between looks at open calls (a lost wake-up)
+_IDLE_NAP_S = 2.0  # how long it sleeps between runs (begin() wakes it)
 
 
 class BoardCalls:
@@ -44,9 +45,13 @@ class BoardCalls:
         threading.Thread(target=self._watch, name="dstest-check-board", daemon=True).start()
 
     def begin(self) -> None:
-        """A new run (under the checker's lock): no call is open."""
+        """A new run (under the checker's lock): no call is open; the watcher, which naps long between runs,
+        is woken to nap short."""
         self.queues = {}
         self.board.slots.clear()
+        with self.board.locked():
+            woken = self.board.bump([self.ck.rank])
+        self.board.wake(woken)
 
     def key(self, gid: str) -> str:
         """The board key of a new group named ``gid`` on the board: its name and how many of that name came before."""
@@ -237,8 +242,9 @@ class BoardCalls:
         board = self.board
         while True:
             seen, issued = self._look(waiting=False)
-            if not issued:
-                board.sleep(self.ck.rank, seen, self._post_overdue(), watcher=True)
+            if not issued:  # between runs (no call can be open) it naps long: idle pools stay idle
+                nap = self._post_overdue() if self.ck.active else _IDLE_NAP_S
+                board.sleep(self.ck.rank, seen, nap, watcher=True)
 
     def _post_overdue(self) -> float:
         """Post to the referee every call open on the board for longer than a verdict usually takes, waited for
