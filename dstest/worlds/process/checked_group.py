@@ -257,11 +257,14 @@ class CheckedGroup(DispatchedGroup):
         what = f"{call.describe()} on {where}"
         record = checker.recorder.collective(self, call, seq, self.members[self.rank_])
         msg: tuple[Any, ...] = ("post", self.gid, self.members, seq, call)
+        board = checker.board if checker.board_on else None
         if fail is not None:  # a Fail fault: the referee fails this collective on every rank that joins it
             rec = checker.post((*msg, failed_text(fail, where)), what, issue, record)
-        else:  # on the check board where the run has one; the referee judges calls whose ranks may differ
+        elif board is not None:  # on the check board; the referee judges calls whose ranks may differ
             refereed = type(call).check_all is not C.Call.check_all
-            rec = checker.post_collective(msg, self.board_key, call, refereed, what, issue, record)
+            rec = board.post(msg, self.board_key, call, refereed, what, issue, record)
+        else:
+            rec = checker.post(msg, what, issue, record)
         return CheckedWork(checker, rec)
 
     def _fault(self, op: str) -> Fault | None:

@@ -111,22 +111,6 @@ class Checker:
         """The key of a new group named ``gid`` on the check board (its name where the pool has no board)."""
         return self.board.key(gid) if self.board is not None else gid
 
-    def post_collective(
-        self,
-        msg: tuple[Any, ...],
-        key: str,
-        call: Any,
-        refereed: bool,
-        what: str,
-        issue: Callable[[], Any],
-        record: Any = None,
-    ) -> PostedCall:
-        """Post collective ``call`` (``msg``: ("post", gid, members, seq, call)) on the check board where this
-        run has one (:meth:`BoardCalls.post`), else to the referee."""
-        if self.board_on and self.board is not None:
-            return self.board.post(msg, key, call, refereed, what, issue, record)
-        return self.post(msg, what, issue, record)
-
     @property
     def active(self) -> bool:
         return self.run_id != 0
