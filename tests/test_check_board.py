@@ -495,3 +495,19 @@ def test_one_rank_s_differing_call_in_a_random_program_is_the_referee_s_mismatch
         dstest.run(_program, world_size, world="process", args=(steps, (i, rank)), timeout=60)
     text = str(info.value)
     assert "collective mismatch on group" in text and f"rank {rank} called" in text
+
+
+def _uneven_all_to_all_alone(ctx: Any) -> None:
+    """Each rank on a group of its own: an all_to_all_single whose one pairing sends 2 rows and expects 3."""
+    mine = [dist.new_group([r]) for r in range(ctx.world_size)][ctx.rank]
+    out = torch.empty(3)
+    dist.all_to_all_single(out, torch.ones(2), output_split_sizes=[3], input_split_sizes=[2], group=mine)
+
+
+@pytest.mark.parametrize("world", ["threaded", "process"])
+def test_a_one_rank_all_to_all_is_still_judged_by_the_referee(world):
+    """A group of one has only its own digest on the board, which trivially "matches": a call whose ranks may
+    differ must still go to the referee, whose pairing check refuses this one (as the threaded world does)."""
+    with pytest.raises(RankFailure) as info:
+        dstest.run(_uneven_all_to_all_alone, 2, world=world, timeout=60)
+    assert "sends 2 rows to rank" in str(info.value)

@@ -84,7 +84,10 @@ class BoardCalls:
             run = self.ck.run_id
             rec.gid, rec.seq, rec.members, rec.sent = gid, seq, members, False
             rec.posted_at = time.monotonic()
-            rec.msg = ("post", run, rec.post_id, name, members, seq, call, None, key)
+            # a refereed call is not the board's to match, even where its group has one member (the referee
+            # checks what needs every rank's call, all_to_all's pairings, for one rank too)
+            rec.refereed = refereed
+            rec.msg = ("post", run, rec.post_id, name, members, seq, call, None, None if refereed else key)
             self.ck.records[rec.post_id] = rec
             self.ck.posted.append(rec)
             queue = self.queues.get(gid)
@@ -130,7 +133,8 @@ class BoardCalls:
         while queue:
             head = queue[0]
             if not head.ok:
-                status = board.status(run, gid, head.members, head.seq) if head.on_board else _board.DIFFER
+                on_board = head.on_board and not head.refereed
+                status = board.status(run, gid, head.members, head.seq) if on_board else _board.DIFFER
                 if status != _board.MATCH:
                     if status == _board.DIFFER:
                         self.send_post(head)
@@ -283,7 +287,11 @@ def close_run(calls: BoardCalls) -> None:
                 for rec in queue:
                     if rec.ok:
                         continue
-                    if rec.on_board and board.status(run, gid, rec.members, rec.seq) == _board.MATCH:
+                    if (
+                        rec.on_board
+                        and not rec.refereed
+                        and board.status(run, gid, rec.members, rec.seq) == _board.MATCH
+                    ):
                         continue
                     if rec.on_board:
                         board.overwrite(me, run, gid, rec.seq, _board.mark(run, me, rec.seq, "left"))
@@ -305,7 +313,9 @@ def issue_kept(calls: BoardCalls) -> None:
             for gid, queue in calls.queues.items():
                 for rec in queue:
                     if rec.ok or (
-                        rec.on_board and board.status(calls.ck.run_id, gid, rec.members, rec.seq) == _board.MATCH
+                        rec.on_board
+                        and not rec.refereed
+                        and board.status(calls.ck.run_id, gid, rec.members, rec.seq) == _board.MATCH
                     ):
                         ready.append(rec)
                         calls.ck.records.pop(rec.post_id, None)

@@ -31,6 +31,7 @@ class PostedCall:
         "post_id",
         "posted_at",
         "record",
+        "refereed",
         "sent",
         "seq",
         "waited",
@@ -57,4 +58,5 @@ class PostedCall:
         self.msg: tuple[Any, ...] = ()
         self.sent = True
         self.ok = False
+        self.refereed = False  # the referee decides it whatever the board holds
         self.posted_at = 0.0
