@@ -511,3 +511,33 @@ def test_a_one_rank_all_to_all_is_still_judged_by_the_referee(world):
     with pytest.raises(RankFailure) as info:
         dstest.run(_uneven_all_to_all_alone, 2, world=world, timeout=60)
     assert "sends 2 rows to rank" in str(info.value)
+
+
+def test_calls_of_one_group_reach_gloo_in_sequence_order_whichever_thread_posted_first(tmp_path):
+    """Two threads of a rank posting on one group can take their sequence numbers in one order and reach the
+    board in the other; gloo must still get them in sequence order, as every peer issues them."""
+    import multiprocessing
+
+    from dstest.worlds.process.checker import Checker
+
+    path = str(tmp_path / "board")
+    B.create(path, 2)
+    parent, child = multiprocessing.Pipe(duplex=True)
+    ck = Checker(child, rank=0, world_size=2)
+    ck.attach_board(path)
+    ck.begin(1)
+    assert ck.board is not None
+    issued: list[int] = []
+    calls = {s: _all_reduce(0, 2, torch.float32, (4,), "sum") for s in (1, 2)}
+    for seq in (2, 1):  # seq 2 reaches the board first
+        msg = ("post", "0", (0, 1), seq, calls[seq])
+        ck.board.post(msg, "0#0", calls[seq], False, f"seq {seq}", lambda seq=seq: issued.append(seq))
+    assert issued == []  # rank 1 wrote nothing yet
+    peer = B.Board(path, 2)
+    with peer.locked():
+        for seq in (1, 2):
+            peer.write(1, 1, "0#0", (0, 1), seq, B.call_digest(1, "0#0", (0, 1), seq, calls[seq]))
+    ck.board.advance(["0#0"])
+    assert issued == [1, 2]
+    peer.close()
+    parent.close()

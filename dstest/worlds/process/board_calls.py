@@ -93,7 +93,10 @@ class BoardCalls:
             queue = self.queues.get(gid)
             if queue is None:
                 queue = self.queues[gid] = deque()
-            queue.append(rec)
+            if queue and queue[-1].seq > seq:  # two threads of the rank posting on one group: keep seq order
+                queue.insert(sum(1 for r in queue if r.seq < seq), rec)
+            else:
+                queue.append(rec)
             me = self.ck.rank
             digest = (
                 _board.mark(run, me, seq, "refereed") if refereed else _board.call_digest(run, gid, members, seq, call)
