@@ -196,6 +196,7 @@ def test_a_rank_cannot_write_over_an_entry_a_peer_still_needs(tmp_path):
             assert board.write(0, 1, "0", (0, 1), seq, b"a" * 16)
         # rank 1 never decided seq 1: rank 0's entry RING calls later would overwrite it
         board.set_decided(0, 1, "0", B.RING)
+        board.set_decided(1, 1, "0", 5)  # rank 1 has not used the group: nothing to mark, nothing claimed
         assert board._slot(1, 1, B.gid_hash("0"), claim=False) is None
         assert not board.write(0, 1, "0", (0, 1), B.RING + 1, b"a" * 16)
         assert board.write(1, 1, "0", (0, 1), 1, b"a" * 16)
@@ -246,6 +247,39 @@ def test_a_write_in_another_process_view_is_seen_and_wakes_a_sleeper(tmp_path):
         assert mine.status(1, "0", (0, 1), 1) == B.MATCH
     mine.close()
     theirs.close()
+
+
+def test_the_entries_of_every_rank_group_and_sequence_number_are_apart(tmp_path):
+    """Every slot of every rank's table and every place of its rings in use at once: nothing lands on
+    another's place (each call is still a match of all ranks)."""
+    board = _board(tmp_path, 3)
+    seqs = range(1, B.RING + 1)
+    with board.locked():
+        for g in range(B.GROUPS):
+            for seq in seqs:
+                digest = B.mark(1, g, seq, "apart")  # one digest per (group, seq), written by every rank
+                for r in range(3):
+                    assert board.write(r, 1, f"g{g}", (0, 1, 2), seq, digest)
+        words = [(board.word(r), board.word(r, watcher=True)) for r in range(3)]
+        assert words == [(0, 0)] * 3  # no entry landed on a wake word
+        for g in range(B.GROUPS):
+            for seq in seqs:
+                assert board.status(1, f"g{g}", (0, 1, 2), seq) == B.MATCH, (g, seq)
+
+
+def test_two_differing_digests_differ_even_while_a_member_has_not_written(tmp_path):
+    """A rank sees the mismatch as soon as two members differ (the referee gets it at once), whichever member
+    is missing."""
+    for missing in range(3):
+        for elsewhere in (False, True):  # the missing member has not used the group, or wrote another call of it
+            board = _board(tmp_path, 3)
+            present = [r for r in range(3) if r != missing]
+            with board.locked():
+                if elsewhere:
+                    board.write(missing, 1, "0", (0, 1, 2), 2, b"c" * 16)
+                for r, digest in zip(present, (b"a" * 16, b"b" * 16)):
+                    board.write(r, 1, "0", (0, 1, 2), 1, digest)
+                assert board.status(1, "0", (0, 1, 2), 1) == B.DIFFER
 
 
 def test_a_bump_moves_the_waiting_thread_s_word_or_else_the_watcher_s_and_only_that_rank_s(tmp_path):
