@@ -575,3 +575,38 @@ def test_calls_of_one_group_reach_gloo_in_sequence_order_whichever_thread_posted
     assert issued == [1, 2]
     peer.close()
     parent.close()
+
+
+def test_a_thread_asleep_on_the_board_wakes_when_the_watcher_decides_its_call(tmp_path):
+    """The watcher can take a call off the board just before the thread that waits for it looks, and decide it
+    just after that thread went to sleep: the decision must wake it (it slept its whole quiet wait, 5 ms in a
+    run and 5 s here, before; found by the zero-posts test on a loaded machine)."""
+    import multiprocessing
+
+    from dstest.worlds.process.checker import Checker
+
+    path = str(tmp_path / "board")
+    B.create(path, 2)
+    parent, child = multiprocessing.Pipe(duplex=True)
+    ck = Checker(child, rank=0, world_size=2)
+    ck.attach_board(path)
+    ck.begin(1)
+    ck.quiet_wait_s = 5.0
+    calls = ck.board
+    assert calls is not None
+    call = _all_reduce(0, 2, torch.float32, (4,), "sum")
+    rec = calls.post(("post", "0", (0, 1), 1, call), "0#0", call, False, "seq 1", lambda: None)
+    peer = B.Board(path, 2)
+    with peer.locked():
+        peer.write(1, 1, "0#0", (0, 1), 1, B.call_digest(1, "0#0", (0, 1), 1, call))
+    with ck.lock, calls.board.locked():  # what the watcher does first: take it off and issue it ...
+        calls.issue_all(calls.progress("0#0"))
+    waiter = threading.Thread(target=ck.wait_verdict, args=(rec,))
+    start = time.monotonic()
+    waiter.start()
+    time.sleep(0.3)  # ... the waiting thread looked, found nothing left to issue, and sleeps ...
+    ck._decided(rec)  # ... then the watcher tells of its decision
+    waiter.join(3.0)
+    assert not waiter.is_alive() and time.monotonic() - start < 3.0
+    peer.close()
+    parent.close()

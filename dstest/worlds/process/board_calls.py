@@ -53,6 +53,12 @@ class BoardCalls:
             woken = self.board.bump([self.ck.rank])
         self.board.wake(woken)
 
+    def wake_waiting(self) -> None:
+        """Wake this rank's thread that waits on the board (its watcher, if none waits now)."""
+        with self.board.locked():
+            woken = self.board.bump([self.ck.rank])
+        self.board.wake(woken)
+
     def key(self, gid: str) -> str:
         """The board key of a new group named ``gid`` on the board: its name and how many of that name came before."""
         with self.ck.lock:
@@ -187,27 +193,20 @@ class BoardCalls:
             rec.error = (msg[3], msg[4])
             self.ck._decided(rec)
         self.advance([rec.gid])  # the calls behind it may go now
-        board = self.board
-        with board.locked():
-            woken = board.bump([self.ck.rank])
-        board.wake(woken)
+        self.wake_waiting()
 
     def _look(self, waiting: bool) -> tuple[int, bool]:
         """Issue what the board (or the referee) allows now on every group; returns the wake word to sleep on
         (the waiting thread's, or the watcher's), read under the board's lock before looking, and whether
         anything was issued. ``waiting``: a thread of this rank waits on the board (its wake-ups go to it)."""
         board = self.board
-        woken: list[int] = []
         with self.ck.lock:
             with board.locked():
                 board.set_waiting(self.ck.rank, self.waiters > 0)
                 seen = board.word(self.ck.rank, watcher=not waiting)
                 ready = [rec for gid in list(self.queues) for rec in self.progress(gid)] if self.ck.board_on else []
-                if ready and self.waiters and not waiting:  # the watcher issued what a waiting thread waits for
-                    woken = board.bump([self.ck.rank])
             self.issue_all(ready)
-        board.wake(woken)
-        for rec in ready:
+        for rec in ready:  # each wakes a thread that waits for it (Checker._decided)
             self.ck._decided(rec)
         return seen, bool(ready)
 
