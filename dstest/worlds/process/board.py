@@ -23,8 +23,10 @@ reports a rank that finished without joining, a deadlock, and every mismatch, in
 
 Every read and write of the board is made under one lock: a ``flock`` on the file (which the kernel drops
 when a holder dies) and a thread lock within a process, so no access sees another half done, on any CPU.
-The wake words are futexes: a rank that writes an entry bumps each peer's word and wakes it; a rank waits on
-its own word. Where futexes are not available (not Linux) there is no board and every call goes to the
+The wake words are futexes, two per rank (the word a thread waiting for a call sleeps on, the word its
+watcher sleeps on) and a flag saying a thread waits: the write that decides a call (the last to arrive, or
+one that differs) bumps each peer's word, the waiting thread's where one waits, and wakes it. Where futexes
+are not available (not Linux, or ``DSTEST_CHECK_BOARD=0``) there is no board and every call goes to the
 referee, as before.
 """
 
