@@ -228,8 +228,9 @@ class BoardCalls:
                     with contextlib.suppress(EOFError, OSError):
                         self.post_open(rec)
                         self.ck._send(("wait", self.ck.run_id, rec.post_id))
-                if not issued:
-                    board.sleep(self.ck.rank, seen, self.ck.quiet_wait_s if told else _BOARD_NAP_S)
+                if not issued:  # until the quiet wait is over (then the referee hears of the wait), else a nap
+                    nap = max(0.0, told - time.monotonic()) if told else _BOARD_NAP_S
+                    board.sleep(self.ck.rank, seen, nap)
         finally:
             woken: list[int] = []
             with self.ck.lock:
