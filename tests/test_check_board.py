@@ -547,9 +547,9 @@ def test_a_one_rank_all_to_all_is_still_judged_by_the_referee(world):
     assert "sends 2 rows to rank" in str(info.value)
 
 
-def test_calls_of_one_group_reach_gloo_in_sequence_order_whichever_thread_posted_first(tmp_path):
-    """Two threads of a rank posting on one group can take their sequence numbers in one order and reach the
-    board in the other; gloo must still get them in sequence order, as every peer issues them."""
+def _rank_zero_with_a_board(tmp_path: Any) -> tuple[Any, B.Board, Any]:
+    """Rank 0's checker of a 2-rank pool with a board, in run 1 (no referee: its pipe's other end is returned),
+    and rank 1's view of the board, to write its entries by hand."""
     import multiprocessing
 
     from dstest.worlds.process.checker import Checker
@@ -560,6 +560,13 @@ def test_calls_of_one_group_reach_gloo_in_sequence_order_whichever_thread_posted
     ck = Checker(child, rank=0, world_size=2)
     ck.attach_board(path)
     ck.begin(1)
+    return ck, B.Board(path, 2), parent
+
+
+def test_calls_of_one_group_reach_gloo_in_sequence_order_whichever_thread_posted_first(tmp_path):
+    """Two threads of a rank posting on one group can take their sequence numbers in one order and reach the
+    board in the other; gloo must still get them in sequence order, as every peer issues them."""
+    ck, peer, parent = _rank_zero_with_a_board(tmp_path)
     assert ck.board is not None
     issued: list[int] = []
     calls = {s: _all_reduce(0, 2, torch.float32, (4,), "sum") for s in (1, 2)}
@@ -567,7 +574,6 @@ def test_calls_of_one_group_reach_gloo_in_sequence_order_whichever_thread_posted
         msg = ("post", "0", (0, 1), seq, calls[seq])
         ck.board.post(msg, "0#0", calls[seq], False, f"seq {seq}", lambda seq=seq: issued.append(seq))
     assert issued == []  # rank 1 wrote nothing yet
-    peer = B.Board(path, 2)
     with peer.locked():
         for seq in (1, 2):
             peer.write(1, 1, "0#0", (0, 1), seq, B.call_digest(1, "0#0", (0, 1), seq, calls[seq]))
@@ -581,22 +587,12 @@ def test_a_thread_asleep_on_the_board_wakes_when_the_watcher_decides_its_call(tm
     """The watcher can take a call off the board just before the thread that waits for it looks, and decide it
     just after that thread went to sleep: the decision must wake it (it slept its whole quiet wait, 5 ms in a
     run and 5 s here, before; found by the zero-posts test on a loaded machine)."""
-    import multiprocessing
-
-    from dstest.worlds.process.checker import Checker
-
-    path = str(tmp_path / "board")
-    B.create(path, 2)
-    parent, child = multiprocessing.Pipe(duplex=True)
-    ck = Checker(child, rank=0, world_size=2)
-    ck.attach_board(path)
-    ck.begin(1)
+    ck, peer, parent = _rank_zero_with_a_board(tmp_path)
     ck.quiet_wait_s = 5.0
     calls = ck.board
     assert calls is not None
     call = _all_reduce(0, 2, torch.float32, (4,), "sum")
     rec = calls.post(("post", "0", (0, 1), 1, call), "0#0", call, False, "seq 1", lambda: None)
-    peer = B.Board(path, 2)
     with peer.locked():
         peer.write(1, 1, "0#0", (0, 1), 1, B.call_digest(1, "0#0", (0, 1), 1, call))
     with ck.lock, calls.board.locked():  # what the watcher does first: take it off and issue it ...
