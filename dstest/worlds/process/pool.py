@@ -72,9 +72,13 @@ class Pool:
         configs = _worker_configs(self.key, self.world_name, self.dir)
         if self.key.backend == "gloo" and board.available():  # the cross-rank check's shared board
             path = os.path.join(self.dir, "board")
-            board.create(path, self.key.world_size)
-            self.board = board.Board(path, self.key.world_size)
-            configs = [dataclasses.replace(cfg, board_path=path) for cfg in configs]
+            try:
+                board.create(path, self.key.world_size)
+                self.board = board.Board(path, self.key.world_size)
+            except OSError:  # no board (a file system that cannot map it): every call goes to the referee
+                self.board = None
+            else:
+                configs = [dataclasses.replace(cfg, board_path=path) for cfg in configs]
         self.started_at = time.monotonic()
         start_fork_server()  # here, not on the launcher thread: it sets an environment variable for a moment
         # Launching blocks while a fresh fork server imports torch; do it off the caller's thread.
