@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import functools
 import hashlib
 import mmap
 import os
@@ -85,6 +86,7 @@ def available() -> bool:
     return _LIBC is not None and os.environ.get("DSTEST_CHECK_BOARD", "1") != "0"
 
 
+@functools.lru_cache(maxsize=4096)  # read on every look at the board: a few group keys a run
 def gid_hash(gid: str) -> int:
     """A group's name as the board keys it (never 0: 0 is an unused slot)."""
     return int.from_bytes(hashlib.blake2b(gid.encode(), digest_size=8).digest(), "little") or 1
@@ -152,33 +154,35 @@ class Board:
         slot = self.slots.get(key)
         if slot is not None:
             return slot
-        base = rank * _RANK_BYTES + _TABLE
         for i in range(GROUPS):
             k = (gh + i) % GROUPS
-            h, r, _decided = _SLOT.unpack_from(self.mm, base + k * _SLOT.size)
+            h, r, _decided = _SLOT.unpack_from(self.mm, self._slot_at(rank, k))
             if r == run and h == gh:
                 self.slots[key] = k
                 return k
             if r != run:  # unused in this run: the group was never claimed by this rank
                 if not claim:
                     return None
-                _SLOT.pack_into(self.mm, base + k * _SLOT.size, gh, run, 0)
+                _SLOT.pack_into(self.mm, self._slot_at(rank, k), gh, run, 0)
                 self.slots[key] = k
                 return k
         return None  # every slot taken in this run
+
+    def _slot_at(self, rank: int, slot: int) -> int:
+        return rank * _RANK_BYTES + _TABLE + slot * _SLOT.size
 
     def _entry_at(self, rank: int, slot: int, seq: int) -> int:
         return rank * _RANK_BYTES + _ENTRIES + (slot * RING + seq % RING) * _ENTRY.size
 
     def _decided(self, rank: int, slot: int) -> int:
-        return int(_SLOT.unpack_from(self.mm, rank * _RANK_BYTES + _TABLE + slot * _SLOT.size)[2])
+        return int(_SLOT.unpack_from(self.mm, self._slot_at(rank, slot))[2])
 
     def set_decided(self, rank: int, run: int, gid: str, seq: int) -> None:
         """Rank ``rank`` no longer needs the board's entries of ``gid`` up to ``seq`` (under the lock)."""
         gh = gid_hash(gid)
         slot = self._slot(rank, run, gh, claim=False)
         if slot is not None and seq > self._decided(rank, slot):
-            _SLOT.pack_into(self.mm, rank * _RANK_BYTES + _TABLE + slot * _SLOT.size, gh, run, seq)
+            _SLOT.pack_into(self.mm, self._slot_at(rank, slot), gh, run, seq)
 
     # -- entries (under the lock) ------------------------------------------------------------------------
     def write(self, rank: int, run: int, gid: str, members: Sequence[int], seq: int, digest: bytes) -> bool:

@@ -41,7 +41,7 @@ class BoardCalls:
         self.board = _board.Board(path, ck.world_size)
         self.queues: dict[str, deque[PostedCall]] = {}  # by the group's board key
         self.made: dict[str, int] = {}  # groups this rank made, by name (their board keys)
-        self.waiters = 0  # threads of this rank waiting on the board (they look after open calls meanwhile)
+        self.waiters: set[int] = set()  # threads of this rank waiting on the board (they look after open calls)
         threading.Thread(target=self._watch, name="dstest-check-board", daemon=True).start()
 
     def begin(self) -> None:
@@ -54,7 +54,12 @@ class BoardCalls:
         self.board.wake(woken)
 
     def wake_waiting(self) -> None:
-        """Wake this rank's thread that waits on the board (its watcher, if none waits now)."""
+        """Wake this rank's thread that waits on the board (its watcher, if none waits now), unless the only
+        thread waiting is the calling one (it decided the call itself, and looks again before it sleeps)."""
+        if self.waiters - {threading.get_ident()}:
+            self._wake()
+
+    def _wake(self) -> None:
         with self.board.locked():
             woken = self.board.bump([self.ck.rank])
         self.board.wake(woken)
@@ -193,7 +198,7 @@ class BoardCalls:
             rec.error = (msg[3], msg[4])
             self.ck._decided(rec)
         self.advance([rec.gid])  # the calls behind it may go now
-        self.wake_waiting()
+        self._wake()
 
     def _look(self, waiting: bool) -> tuple[int, bool]:
         """Issue what the board (or the referee) allows now on every group; returns the wake word to sleep on
@@ -202,7 +207,7 @@ class BoardCalls:
         board = self.board
         with self.ck.lock:
             with board.locked():
-                board.set_waiting(self.ck.rank, self.waiters > 0)
+                board.set_waiting(self.ck.rank, bool(self.waiters))
                 seen = board.word(self.ck.rank, watcher=not waiting)
                 ready = [rec for gid in list(self.queues) for rec in self.progress(gid)] if self.ck.board_on else []
             self.issue_all(ready)
@@ -216,7 +221,7 @@ class BoardCalls:
         rank). After a few milliseconds the call goes to the referee, as every slow call does."""
         board = self.board
         with self.ck.lock:
-            self.waiters += 1
+            self.waiters.add(threading.get_ident())
         try:
             told = time.monotonic() + self.ck.quiet_wait_s
             while not rec.event.is_set():
@@ -234,7 +239,7 @@ class BoardCalls:
         finally:
             woken: list[int] = []
             with self.ck.lock:
-                self.waiters -= 1
+                self.waiters.discard(threading.get_ident())
                 if not self.waiters:  # wake-ups go to the watcher again, which looks at what is still open
                     with board.locked():
                         board.set_waiting(self.ck.rank, False)

@@ -298,7 +298,7 @@ class Checker:
         with self.lock:
             rec.event.set()
             callbacks = list(rec.callbacks)
-        if rec.gid and self.board is not None and self.board.waiters:
+        if rec.gid and self.board is not None:
             # Another thread of this rank may be asleep on the board waiting for this call (it looked before
             # the call was decided here, by the watcher or the listener): wake it, or it sleeps its full nap.
             self.board.wake_waiting()
