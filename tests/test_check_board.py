@@ -1,5 +1,9 @@
 """The process world's check board (issue 44 item 4): ranks whose digests match go on without the parent.
 
+Contracts: E10 (the process world is as strict as the threaded one: the board never lets gloo run calls the
+referee would refuse, and every report keeps the referee's text) and E2 (a mismatch raises on every rank,
+naming both calls, instead of hanging); the process-world runs compare values with the threaded world (E1).
+
 The board itself (:mod:`dstest.worlds.process.board`) is a checker: a digest that two different calls share,
 or a status of MATCH for entries that differ or are missing, would let gloo run mismatched calls (a hang or
 an abort instead of a report). So its rules are tested adversarially here, every perturbation of a call or of
@@ -341,7 +345,7 @@ def _board_world(ctx: Any) -> tuple[Any, int]:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_a_correct_program_is_decided_on_the_board_with_no_post_to_the_referee(world_size):
-    """The same values as the threaded world (the reference), and not one post: every call matched on the
+    """E1, E10: the same values as the threaded world (the reference), and not one post: every call matched on the
     board. With the board's status forced to "differ", every call is posted (so the count can fail)."""
     reference = dstest.run(_correct_body, world_size, world="threaded")
     results = dstest.run(_board_world, world_size, world="process")
@@ -412,6 +416,7 @@ def _one_rank_differs(ctx: Any) -> None:
 
 
 def test_a_mismatch_after_matched_calls_is_the_referee_s_report():
+    """E2, E10: a mismatch after calls the board matched is reported on every rank, naming both dtypes."""
     with pytest.raises(RankFailure) as info:
         dstest.run(_one_rank_differs, 4, world="process")
     text = str(info.value)
@@ -453,7 +458,7 @@ def _slow_then_matched(ctx: Any) -> float:
 
 
 def test_a_call_posted_as_slow_and_matched_on_the_board_is_withdrawn_from_the_referee():
-    """Without the withdrawal the referee still counted rank 1 as waiting in its first call, and named a
+    """E10 (no false report on a correct program). Without the withdrawal the referee still counted rank 1 as waiting in its first call, and named a
     deadlock when rank 0 waited for rank 1's last (a false report on a correct program, found by
     bench_checking)."""
     assert dstest.run(_slow_then_matched, 2, world="process", timeout=60) == [0.0, 0.0]
@@ -540,7 +545,7 @@ def _uneven_all_to_all_alone(ctx: Any) -> None:
 
 @pytest.mark.parametrize("world", ["threaded", "process"])
 def test_a_one_rank_all_to_all_is_still_judged_by_the_referee(world):
-    """A group of one has only its own digest on the board, which trivially "matches": a call whose ranks may
+    """E2, E10. A group of one has only its own digest on the board, which trivially "matches": a call whose ranks may
     differ must still go to the referee, whose pairing check refuses this one (as the threaded world does)."""
     with pytest.raises(RankFailure) as info:
         dstest.run(_uneven_all_to_all_alone, 2, world=world, timeout=60)
