@@ -611,3 +611,89 @@ def test_a_thread_asleep_on_the_board_wakes_when_the_watcher_decides_its_call(tm
     assert not waiter.is_alive() and time.monotonic() - start < 3.0
     peer.close()
     parent.close()
+
+
+def _one_more_group_on_rank_0(ctx: Any) -> str:
+    """A run in which rank 0 made one group more than its peers of the name the next run's subgroup gets (as
+    when a rank fails before making a group its peers made)."""
+    from dstest.worlds.process import checked
+
+    sub = dist.new_group([0, 1])
+    name = str(sub.group_name)
+    if ctx.rank == 0:
+        assert checked._CHECKER is not None
+        checked._CHECKER.board_key(name)
+    return name
+
+
+def _subgroup_calls(ctx: Any) -> tuple[Any, int]:
+    def body(ctx: Any) -> tuple[str, list[float]]:
+        sub = dist.new_group([0, 1])
+        t = torch.full((2,), float(ctx.rank + 1))
+        for _ in range(3):
+            dist.all_reduce(t, group=sub)
+        return str(sub.group_name), t.tolist()
+
+    return _posts_of(body, ctx)
+
+
+def test_groups_made_unevenly_in_one_run_do_not_send_the_next_runs_calls_to_the_referee():
+    """E10: a group's board key counts the groups of its name made in this run only. When they were counted
+    across runs, one run in which rank 0 made a group more than rank 1 left the two ranks with different keys
+    for every later group of that name: each of its calls went to the referee (slower, and the zero-posts
+    test failed in whichever xdist worker ran such a test first)."""
+    names = dstest.run(_one_more_group_on_rank_0, 2, world="process")
+    results = dstest.run(_subgroup_calls, 2, world="process")
+    assert [r[0][0] for r in results] == names  # the same name as in the uneven run: the case this checks
+    assert [r[0][1] for r in results] == [[12.0, 12.0]] * 2  # (1 + 2) doubled twice
+    assert [r[1] for r in results] == [0, 0]
+
+
+def _sends_under_the_board_lock(ctx: Any, n: int) -> tuple[float, list[str]]:
+    """Run :func:`_far_ahead` with a quiet wait of 0 (every wait is posted, then matched on the board and
+    withdrawn) and note every message sent to the referee while the sending thread holds the board's lock."""
+    import contextlib
+
+    from dstest.worlds.process import board as board_module
+    from dstest.worlds.process import checked
+
+    ck = checked._CHECKER
+    assert ck is not None and ck.board_on
+    held = threading.local()
+    locked = board_module.Board.locked
+
+    @contextlib.contextmanager
+    def tracked(self: Any) -> Any:
+        with locked(self):
+            held.depth = getattr(held, "depth", 0) + 1
+            try:
+                yield
+            finally:
+                held.depth -= 1
+
+    bad: list[str] = []
+    send, quiet = ck._send, ck.quiet_wait_s
+
+    def watched_send(msg: tuple[Any, ...]) -> None:
+        if getattr(held, "depth", 0):
+            bad.append(msg[0])
+        send(msg)
+
+    board_module.Board.locked = tracked  # type: ignore[method-assign]
+    ck._send, ck.quiet_wait_s = watched_send, 0.0  # type: ignore[method-assign]
+    try:
+        return _far_ahead(ctx, n), bad
+    finally:
+        board_module.Board.locked = locked  # type: ignore[method-assign]
+        ck._send, ck.quiet_wait_s = send, quiet  # type: ignore[method-assign]
+
+
+def test_no_rank_sends_to_the_referee_while_it_holds_the_board_lock():
+    """E10, E11: the referee takes the board's lock to read it, so a rank that blocks on a full pipe to the
+    parent while holding that lock deadlocks them both. It did: under load, in the test of a rank far
+    ahead of its peer, the parent waited on the lock while the rank waited for the parent to read (a hang
+    of the whole pytest worker). Every message now leaves after the lock is released."""
+    n = B.RING + 40
+    results = dstest.run(_sends_under_the_board_lock, 2, world="process", args=(n,), timeout=120)
+    assert [r[0] for r in results] == [float(n * (n - 1))] * 2
+    assert [r[1] for r in results] == [[], []]

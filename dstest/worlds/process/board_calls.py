@@ -42,12 +42,19 @@ class BoardCalls:
         self.queues: dict[str, deque[PostedCall]] = {}  # by the group's board key
         self.made: dict[str, int] = {}  # groups this rank made, by name (their board keys)
         self.waiters: set[int] = set()  # threads of this rank waiting on the board (they look after open calls)
+        # Messages for the referee, sent by flush() in order, never under the checker's lock or the board's:
+        # the referee takes the board's lock to look at it and sends verdicts this rank's listener reads
+        # under the checker's lock, so a rank blocked on a full pipe while holding either would deadlock
+        # with the parent (it did, under load, when a rank ran hundreds of calls ahead of its peer).
+        self.outbox: list[tuple[Any, ...]] = []
+        self.flush_lock = threading.Lock()
         threading.Thread(target=self._watch, name="dstest-check-board", daemon=True).start()
 
     def begin(self) -> None:
         """A new run (under the checker's lock): no call is open; the watcher, which naps long between runs,
         is woken to nap short."""
         self.queues = {}
+        self.made = {}  # a run's groups are counted from 0 on every rank, whatever an earlier run made
         self.board.slots.clear()
         with self.board.locked():
             woken = self.board.bump([self.ck.rank])
@@ -65,11 +72,16 @@ class BoardCalls:
         self.board.wake(woken)
 
     def key(self, gid: str) -> str:
-        """The board key of a new group named ``gid`` on the board: its name and how many of that name came before."""
+        """The board key of a new group named ``gid``: its name and how many groups of that name this rank
+        made before it in this run; a group the pool made outside any run (its world group, which outlives
+        runs) is counted apart. Counting per run keeps the keys of a run's groups equal on every rank even
+        after a run in which the ranks made different groups (one failed before making one): with counts
+        kept across runs, every later call on such a name went to the referee."""
         with self.ck.lock:
             n = self.made.get(gid, 0)
             self.made[gid] = n + 1
-        return f"{gid}#{n}"
+            in_run = self.ck.active
+        return f"{gid}#{n}" if in_run else f"{gid}#pool{n}"
 
     def post(
         self,
@@ -123,16 +135,27 @@ class BoardCalls:
             if refereed or not rec.on_board:
                 self.send_post(rec)
             self.issue_all(ready)
+        self.flush()
         board.wake(woken)
         for done in ready:
             self.ck._decided(done)
         return rec
 
     def send_post(self, rec: PostedCall) -> None:
-        """Post ``rec`` to the referee (under the lock, once)."""
+        """Post ``rec`` to the referee, once (under the checker's lock; sent by the next :meth:`flush`)."""
         if not rec.sent:
             rec.sent = True
-            self.ck._send(rec.msg)
+            self.outbox.append(rec.msg)
+
+    def flush(self) -> None:
+        """Send the referee's messages queued so far, in order; returns once they are sent. Called holding
+        neither the checker's lock nor the board's, and never by the listener thread (which must keep reading
+        the referee's verdicts: it wakes a thread that flushes instead)."""
+        with self.flush_lock:
+            with self.ck.lock:
+                out, self.outbox = self.outbox, []
+            for msg in out:
+                self.ck._send(msg)
 
     def progress(self, gid: str) -> list[PostedCall]:
         """The calls at the head of ``gid``'s queue that can be issued now, taken out of it in order (under
@@ -156,7 +179,7 @@ class BoardCalls:
             queue.popleft()
             self.ck.records.pop(head.post_id, None)
             if head.sent and not head.ok:  # posted as slow, then matched here: the referee must not wait for it
-                self.ck._send(("withdraw", run, head.post_id))
+                self.outbox.append(("withdraw", run, head.post_id))
             board.set_decided(self.ck.rank, run, gid, head.seq)
             ready.append(head)
         return ready
@@ -166,7 +189,8 @@ class BoardCalls:
             self.ck._issue(rec)
 
     def advance(self, gids: Sequence[str]) -> None:
-        """Issue what the board (or the referee) now allows on groups ``gids``."""
+        """Issue what the board (or the referee) now allows on groups ``gids`` (from the listener: what this
+        queues for the referee is sent by the thread :meth:`verdict` wakes)."""
         board = self.board
         with self.ck.lock:
             if not self.ck.board_on:
@@ -178,12 +202,12 @@ class BoardCalls:
             self.ck._decided(rec)
 
     def post_open(self, rec: PostedCall) -> None:
-        """Post ``rec`` to the referee, with every call before it in its group's queue not posted yet."""
-        with self.ck.lock:
-            for other in list(self.queues.get(rec.gid, ())):
-                self.send_post(other)
-                if other is rec:
-                    break
+        """Queue ``rec`` for the referee, with every call before it in its group's queue not posted yet
+        (under the checker's lock)."""
+        for other in list(self.queues.get(rec.gid, ())):
+            self.send_post(other)
+            if other is rec:
+                break
 
     def verdict(self, rec: PostedCall, msg: tuple[Any, ...]) -> None:
         """The referee's verdict on a collective of the board: an error now, "ok" in its group's order; a
@@ -211,6 +235,7 @@ class BoardCalls:
                 seen = board.word(self.ck.rank, watcher=not waiting)
                 ready = [rec for gid in list(self.queues) for rec in self.progress(gid)] if self.ck.board_on else []
             self.issue_all(ready)
+        self.flush()
         for rec in ready:  # each wakes a thread that waits for it (Checker._decided)
             self.ck._decided(rec)
         return seen, bool(ready)
@@ -230,9 +255,11 @@ class BoardCalls:
                     return
                 if told and time.monotonic() >= told:
                     told = 0.0
-                    with contextlib.suppress(EOFError, OSError):
+                    with self.ck.lock:
                         self.post_open(rec)
-                        self.ck._send(("wait", self.ck.run_id, rec.post_id))
+                        self.outbox.append(("wait", self.ck.run_id, rec.post_id))
+                    with contextlib.suppress(EOFError, OSError):
+                        self.flush()
                 if not issued:  # until the quiet wait is over (then the referee hears of the wait), else a nap
                     nap = max(0.0, told - time.monotonic()) if told else _BOARD_NAP_S
                     board.sleep(self.ck.rank, seen, nap)
@@ -271,10 +298,11 @@ class BoardCalls:
                         continue
                     due = rec.posted_at + self.ck.quiet_wait_s - now
                     if due <= 0:
-                        with contextlib.suppress(EOFError, OSError):
-                            self.send_post(rec)
+                        self.send_post(rec)
                     else:
                         nap = min(nap, due)
+        with contextlib.suppress(EOFError, OSError):
+            self.flush()
         return nap
 
 
@@ -306,6 +334,7 @@ def close_run(calls: BoardCalls) -> None:
                         woken += board.bump([m for m in rec.members if m != me])
                     calls.send_post(rec)
         calls.issue_all(ready)
+    calls.flush()
     board.wake(woken)
     for rec in ready:
         calls.ck._decided(rec)
