@@ -94,10 +94,18 @@ def test_wheel_holds_every_module(wheel: Path) -> None:
         p.relative_to(ROOT).as_posix()
         for top in ("dstest", "impl")
         for p in (ROOT / top).rglob("*")
-        if p.suffix == ".py" or p.name == "py.typed"
+        if p.suffix in (".py", ".cpp") or p.name == "py.typed"  # .cpp: dstest.trace.native's C records
     )
     missing = [m for m in modules if m not in names]
     assert not missing, f"missing from {wheel.name} (a package not listed in pyproject.toml?): {missing}"
+
+
+def test_wheel_holds_the_c_records_source_as_the_checkout_has_it(wheel: Path) -> None:
+    """The C records are built from the installed package's own ``records.cpp`` (a wheel without it would fall
+    back to the Python records, with a warning, everywhere it is installed)."""
+    source = ROOT / "dstest" / "trace" / "native" / "records.cpp"
+    with zipfile.ZipFile(wheel) as whl:
+        assert whl.read("dstest/trace/native/records.cpp") == source.read_bytes()
 
 
 def test_installed_wheel_finds_its_sources(wheel: Path, tmp_path: Path) -> None:

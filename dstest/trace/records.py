@@ -9,7 +9,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from dstest.trace import native
 
 #: Records kept per rank while a trace is asked for (``dstest.recording()``, ``--dstest-trace``); the
 #: oldest are dropped beyond it. Counts and bytes stay exact whatever is kept.
@@ -52,7 +54,7 @@ _SKIPPED_FILES: dict[str, bool] = {}
 _SKIPPED_FILES_LIMIT = 50_000  # file names of code made at run time (exec, generated code) must not pile up
 
 
-def call_site(depth: int = 2) -> tuple[str, int, str] | None:
+def py_call_site(depth: int = 2) -> tuple[str, int, str] | None:
     """(file, line, function) of the innermost frame outside dstest's worlds and torch."""
     known = _SKIPPED_FILES
     frame: Any = sys._getframe(depth)
@@ -109,89 +111,66 @@ def _short_path(path: str) -> str:
 now_ns = time.perf_counter_ns
 
 
-class CallRecord:
-    """One rank's side of one collective or transfer."""
+#: A record's fields, in the order of ``as_dict``; both implementations have exactly these.
+FIELDS: tuple[str, ...] = (
+    "callers",
+    "dtype",
+    "error",
+    "group",
+    "kind",
+    "nbytes",
+    "numel",
+    "op",
+    "peer",
+    "rank",
+    "reduce_op",
+    "root",
+    "seq",
+    "shapes",
+    "site",
+    "sync",
+    "t_done",
+    "t_post",
+    "t_wait",
+    "t_waited",
+    "tag",
+    "wait_site",
+)
 
-    __slots__ = (
-        "callers",
-        "dtype",
-        "error",
-        "group",
-        "kind",
-        "nbytes",
-        "numel",
-        "op",
-        "peer",
-        "rank",
-        "reduce_op",
-        "root",
-        "seq",
-        "shapes",
-        "site",
-        "sync",
-        "t_done",
-        "t_post",
-        "t_wait",
-        "t_waited",
-        "tag",
-        "wait_site",
-    )
 
-    def __init__(
-        self,
-        rank: int,
-        op: str,
-        group: str,
-        seq: int | None,
-        dtype: str,
-        shapes: tuple[tuple[int, ...], ...],
-        numel: int,
-        nbytes: int,
-    ) -> None:
-        self.rank = rank
-        self.op = op
-        self.kind = "p2p" if op in ("send", "recv") else "collective"
-        self.group = group
-        self.seq = seq
-        self.dtype = dtype
-        self.shapes = shapes
-        self.numel = numel
-        self.nbytes = nbytes
-        self.reduce_op: str | None = None
-        self.root: int | None = None
-        self.peer: int | None = None
-        self.tag: int | None = None
-        self.t_post = now_ns()
-        self.t_done: int | None = None
-        self.t_wait: int | None = None
-        self.t_waited: int | None = None
-        self.site: tuple[str, int, str] | None = None
-        self.callers: tuple[tuple[str, int, str], ...] = ()  # the site's callers outside torch and dstest
-        self.wait_site: tuple[str, int, str] | None = None
-        self.error: str | None = None
-        self.sync = False  # waited right after it was posted (a blocking call)
+def error_text(error: BaseException) -> str:
+    """A failed call's one-line error, as records keep it."""
+    return f"{type(error).__name__}: {error}".splitlines()[0][:200]
 
-    # -- the world's hooks ---------------------------------------------------------------------------
-    def finished(self, error: BaseException | None) -> None:
-        """The call completed (any thread); ``error``: it failed."""
-        if self.t_done is None:
-            self.t_done = now_ns()
-        if error is not None and self.error is None:
-            self.error = f"{type(error).__name__}: {error}".splitlines()[0][:200]
 
-    def waiting(self, log: RankLog | None = None) -> None:
-        """The rank starts waiting for this call (on its own thread)."""
-        if self.t_wait is None:
-            self.t_wait = now_ns()
-            self.sync = log is not None and log.last is self
-            # A blocking call waits where it was called; only a later wait needs its own site.
-            self.wait_site = self.site if self.sync else call_site(3)
+class _Reading:
+    """What a record answers, the same for both implementations (:class:`PyCallRecord`, the C one)."""
 
-    def waited(self) -> None:
-        if self.t_waited is None:
-            self.t_waited = now_ns()
+    __slots__ = ()
+    # the fields, declared for the type checker (each implementation holds them)
+    callers: tuple[tuple[str, int, str], ...]
+    dtype: str
+    error: str | None
+    group: str
+    kind: str
+    nbytes: int
+    numel: int
+    op: str
+    peer: int | None
+    rank: int
+    reduce_op: str | None
+    root: int | None
+    seq: int | None
+    shapes: tuple[tuple[int, ...], ...]
+    site: tuple[str, int, str] | None
+    sync: bool
+    t_done: int | None
+    t_post: int
+    t_wait: int | None
+    t_waited: int | None
+    tag: int | None
+    wait_site: tuple[str, int, str] | None
 
-    # -- reading -------------------------------------------------------------------------------------
     def issued_at(self) -> str:
         """Where the call was made and from where, innermost first: ``comm/torch.py:263 (all_gather) <-
         zero/partition_parameters.py:2046 (_allgather_params) <- ...``."""
@@ -223,14 +202,105 @@ class CallRecord:
         return "done"
 
     def as_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in CallRecord.__slots__}
+        return {name: getattr(self, name) for name in FIELDS}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CallRecord:
+    def from_dict(cls, d: dict[str, Any]) -> Any:
         rec = cls.__new__(cls)
-        for name in cls.__slots__:
+        for name in FIELDS:
             setattr(rec, name, d.get(name))
         return rec
+
+
+class PyCallRecord(_Reading):
+    """One rank's side of one collective or transfer: the pure-Python record (the C one,
+    :mod:`dstest.trace.native`, is its twin, field for field and hook for hook)."""
+
+    __slots__ = FIELDS
+
+    def __init__(
+        self,
+        rank: int,
+        op: str,
+        group: str,
+        seq: int | None,
+        dtype: str,
+        shapes: tuple[tuple[int, ...], ...],
+        numel: int,
+        nbytes: int,
+    ) -> None:
+        self.rank = rank
+        self.op = op
+        self.kind = "p2p" if op in ("send", "recv") else "collective"
+        self.group = group
+        self.seq = seq
+        self.dtype = dtype
+        self.shapes = shapes
+        self.numel = numel
+        self.nbytes = nbytes
+        self.reduce_op = None
+        self.root = None
+        self.peer = None
+        self.tag = None
+        self.t_post = now_ns()
+        self.t_done = None
+        self.t_wait = None
+        self.t_waited = None
+        self.site = None
+        self.callers = ()  # the site's callers outside torch and dstest
+        self.wait_site = None
+        self.error = None
+        self.sync = False  # waited right after it was posted (a blocking call)
+
+    # -- the world's hooks ---------------------------------------------------------------------------
+    def finished(self, error: BaseException | None) -> None:
+        """The call completed (any thread); ``error``: it failed."""
+        if self.t_done is None:
+            self.t_done = now_ns()
+        if error is not None and self.error is None:
+            self.error = error_text(error)
+
+    def waiting(self, log: RankLog | None = None) -> None:
+        """The rank starts waiting for this call (on its own thread)."""
+        if self.t_wait is None:
+            self.t_wait = now_ns()
+            self.sync = log is not None and log.last is self
+            # A blocking call waits where it was called; only a later wait needs its own site.
+            self.wait_site = self.site if self.sync else py_call_site(3)
+
+    def waited(self) -> None:
+        if self.t_waited is None:
+            self.t_waited = now_ns()
+
+
+def _classify(filename: str) -> bool:
+    """Whether frames of ``filename`` are skipped, stored in the table the walks read first."""
+    known = _SKIPPED_FILES
+    skipped = filename.startswith(_skip_dirs())
+    if len(known) >= _SKIPPED_FILES_LIMIT:
+        known.clear()
+    known[filename] = skipped
+    return skipped
+
+
+_native = native.load()
+if TYPE_CHECKING:  # both implementations type as the Python one: same fields, same methods
+    CallRecord = PyCallRecord
+    call_site = py_call_site
+elif _native is not None:
+    _native.configure(_SKIPPED_FILES, _classify, error_text, time.perf_counter_ns)
+    # The C record (:mod:`dstest.trace.native`) gets the reading methods the Python one inherits; it is
+    # not subclassed, as a Python subclass would put its instances under the garbage collector.
+    for _name in ("issued_at", "describe", "status", "as_dict"):
+        setattr(_native.CallRecord, _name, _Reading.__dict__[_name])
+    _native.CallRecord.from_dict = _Reading.__dict__["from_dict"]
+    #: The record every world makes: the C one where it could be built, else :class:`PyCallRecord`.
+    CallRecord = _native.CallRecord
+    #: The records' call-site walk: the C one with the C records.
+    call_site = _native.call_site
+else:
+    CallRecord = PyCallRecord
+    call_site = py_call_site
 
 
 class _Totals:
