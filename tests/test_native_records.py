@@ -262,6 +262,16 @@ def test_a_fresh_cache_builds_once_and_later_processes_load_the_library(tmp_path
     assert json.loads(second.stdout)[1].startswith(f"from {tmp_path}")
 
 
+@pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler here")
+def test_the_source_compiles_without_a_warning(tmp_path: Path) -> None:
+    """Users' builds do not use -Werror (a newer compiler's new warning must not cost them the C records);
+    here every warning of -Wall -Wextra is an error."""
+    cxx = native.compiler()
+    assert cxx is not None
+    native._compile(tmp_path, cxx, ("-Wall", "-Wextra", "-Werror"))
+    assert native._library(tmp_path).is_file()
+
+
 # -- a whole run's records under each -----------------------------------------------------------------------
 _RUN = """
     import json, torch, torch.distributed as dist

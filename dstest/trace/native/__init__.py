@@ -46,7 +46,7 @@ _MODES = {"auto": "auto", "": "auto", "1": "on", "on": "on", "0": "off", "off": 
 
 
 class NativeStatus:
-    """Which record this process uses, and why (for the pytest header and ``dstest --version``)."""
+    """Which record this process uses, and why (``dstest.trace.native.status()``; ``bench_records.py`` prints it)."""
 
     def __init__(self, native: bool, why: str) -> None:
         self.native = native
@@ -95,14 +95,16 @@ def compiler() -> list[str] | None:
     return command
 
 
-def _compile(directory: Path, cxx: list[str]) -> None:
+def _compile(directory: Path, cxx: list[str], extra: tuple[str, ...] = ()) -> None:
+    """Compile the library into ``directory`` (``extra``: more compiler flags; a user's build adds no
+    ``-Werror``, so that a newer compiler's new warning does not cost the C records: the tests add it)."""
     include = sysconfig.get_paths()["include"]
     link = ["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else []
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
     os.close(fd)
     command = [
-        *cxx, "-O2", "-std=c++17", "-fPIC", "-shared", "-fno-exceptions", "-fno-rtti", "-Wall", "-Werror",
-        f"-DTORCH_EXTENSION_NAME={_NAME}", f"-I{include}", str(_SOURCE), "-o", tmp, *link,
+        *cxx, "-O2", "-std=c++17", "-fPIC", "-shared", "-fno-exceptions", "-fno-rtti",
+        f"-DTORCH_EXTENSION_NAME={_NAME}", f"-I{include}", *extra, str(_SOURCE), "-o", tmp, *link,
     ]  # fmt: skip
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)

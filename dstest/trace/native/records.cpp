@@ -1,8 +1,8 @@
 // The trace's per-call record in C: dstest.trace.records.CallRecord's fields and the hooks every collective
 // calls (construction, finished, waiting, waited), and the walk up the stack to a call's site.
 //
-// Only the CPython API: no torch header, so it compiles in about a second. Built on first use by
-// dstest/trace/native/__init__.py with torch.utils.cpp_extension (ninja), as impl's ops are; the
+// Only the CPython API: no torch header or library, so it compiles in about a second and loads without
+// torch. Built on first use by dstest/trace/native/__init__.py, one call of the C++ compiler; the
 // pure-Python record in records.py is used wherever this cannot be built (DSTEST_NATIVE=0 chooses it).
 //
 // Each function here does what its Python twin in dstest/trace/records.py does, field for field; the
@@ -347,8 +347,8 @@ PyMethodDef module_methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
-PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "dstest_native_records",
-                          "dstest's per-call trace record, in C", -1, module_methods};
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "dstest_native_records", "dstest's per-call trace record, in C", -1,
+                          module_methods, nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
 

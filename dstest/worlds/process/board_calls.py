@@ -27,10 +27,43 @@ from dstest.worlds.process.posted import PostedCall
 if TYPE_CHECKING:
     from dstest.worlds.process.checker import Checker
 
-__all__ = ["BoardCalls"]
+__all__ = ["BoardCalls", "Outbox"]
 
 _BOARD_NAP_S = 0.05  # the longest the board's watcher sleeps between looks at open calls (a lost wake-up)
 _IDLE_NAP_S = 2.0  # how long it sleeps between runs (begin() wakes it)
+
+
+class Outbox:
+    """One rank's messages for the referee: queued under the checker's lock, sent in order by :meth:`flush`,
+    never under the checker's lock or the board's. The referee takes the board's lock to look at it, and
+    sends verdicts that this rank's listener reads under the checker's lock, so a rank blocked on a full pipe
+    to the parent while holding either would deadlock with it (it did, under load, when a rank ran hundreds
+    of calls ahead of its peer)."""
+
+    def __init__(self, ck: Checker) -> None:
+        self.ck = ck
+        self.messages: list[tuple[Any, ...]] = []
+        self.lock = threading.Lock()  # one flush at a time: batches leave in the order they were taken
+
+    def post(self, rec: PostedCall) -> None:
+        """Post ``rec`` to the referee, once (under the checker's lock; sent by the next :meth:`flush`)."""
+        if not rec.sent:
+            rec.sent = True
+            self.messages.append(rec.msg)
+
+    def put(self, msg: tuple[Any, ...]) -> None:
+        """Queue ``msg`` (under the checker's lock)."""
+        self.messages.append(msg)
+
+    def flush(self) -> None:
+        """Send what was queued so far, in order; returns once it is sent. Called holding neither the
+        checker's lock nor the board's, and never by the listener thread (which must keep reading the
+        referee's verdicts: it wakes a thread that flushes instead)."""
+        with self.lock:
+            with self.ck.lock:
+                out, self.messages = self.messages, []
+            for msg in out:
+                self.ck._send(msg)
 
 
 class BoardCalls:
@@ -42,12 +75,7 @@ class BoardCalls:
         self.queues: dict[str, deque[PostedCall]] = {}  # by the group's board key
         self.made: dict[str, int] = {}  # groups this rank made, by name (their board keys)
         self.waiters: set[int] = set()  # threads of this rank waiting on the board (they look after open calls)
-        # Messages for the referee, sent by flush() in order, never under the checker's lock or the board's:
-        # the referee takes the board's lock to look at it and sends verdicts this rank's listener reads
-        # under the checker's lock, so a rank blocked on a full pipe while holding either would deadlock
-        # with the parent (it did, under load, when a rank ran hundreds of calls ahead of its peer).
-        self.outbox: list[tuple[Any, ...]] = []
-        self.flush_lock = threading.Lock()
+        self.outbox = Outbox(ck)
         threading.Thread(target=self._watch, name="dstest-check-board", daemon=True).start()
 
     def begin(self) -> None:
@@ -133,29 +161,13 @@ class BoardCalls:
                     woken = board.bump([m for m in members if m != me])
                 ready = self.progress(gid)
             if refereed or not rec.on_board:
-                self.send_post(rec)
+                self.outbox.post(rec)
             self.issue_all(ready)
-        self.flush()
+        self.outbox.flush()
         board.wake(woken)
         for done in ready:
             self.ck._decided(done)
         return rec
-
-    def send_post(self, rec: PostedCall) -> None:
-        """Post ``rec`` to the referee, once (under the checker's lock; sent by the next :meth:`flush`)."""
-        if not rec.sent:
-            rec.sent = True
-            self.outbox.append(rec.msg)
-
-    def flush(self) -> None:
-        """Send the referee's messages queued so far, in order; returns once they are sent. Called holding
-        neither the checker's lock nor the board's, and never by the listener thread (which must keep reading
-        the referee's verdicts: it wakes a thread that flushes instead)."""
-        with self.flush_lock:
-            with self.ck.lock:
-                out, self.outbox = self.outbox, []
-            for msg in out:
-                self.ck._send(msg)
 
     def progress(self, gid: str) -> list[PostedCall]:
         """The calls at the head of ``gid``'s queue that can be issued now, taken out of it in order (under
@@ -174,12 +186,12 @@ class BoardCalls:
                 status = board.status(run, gid, head.members, head.seq) if on_board else _board.DIFFER
                 if status != _board.MATCH:
                     if status == _board.DIFFER:
-                        self.send_post(head)
+                        self.outbox.post(head)
                     break
             queue.popleft()
             self.ck.records.pop(head.post_id, None)
             if head.sent and not head.ok:  # posted as slow, then matched here: the referee must not wait for it
-                self.outbox.append(("withdraw", run, head.post_id))
+                self.outbox.put(("withdraw", run, head.post_id))
             board.set_decided(self.ck.rank, run, gid, head.seq)
             ready.append(head)
         return ready
@@ -205,7 +217,7 @@ class BoardCalls:
         """Queue ``rec`` for the referee, with every call before it in its group's queue not posted yet
         (under the checker's lock)."""
         for other in list(self.queues.get(rec.gid, ())):
-            self.send_post(other)
+            self.outbox.post(other)
             if other is rec:
                 break
 
@@ -235,7 +247,7 @@ class BoardCalls:
                 seen = board.word(self.ck.rank, watcher=not waiting)
                 ready = [rec for gid in list(self.queues) for rec in self.progress(gid)] if self.ck.board_on else []
             self.issue_all(ready)
-        self.flush()
+        self.outbox.flush()
         for rec in ready:  # each wakes a thread that waits for it (Checker._decided)
             self.ck._decided(rec)
         return seen, bool(ready)
@@ -257,9 +269,9 @@ class BoardCalls:
                     told = 0.0
                     with self.ck.lock:
                         self.post_open(rec)
-                        self.outbox.append(("wait", self.ck.run_id, rec.post_id))
+                        self.outbox.put(("wait", self.ck.run_id, rec.post_id))
                     with contextlib.suppress(EOFError, OSError):
-                        self.flush()
+                        self.outbox.flush()
                 if not issued:  # until the quiet wait is over (then the referee hears of the wait), else a nap
                     nap = max(0.0, told - time.monotonic()) if told else _BOARD_NAP_S
                     board.sleep(self.ck.rank, seen, nap)
@@ -298,11 +310,11 @@ class BoardCalls:
                         continue
                     due = rec.posted_at + self.ck.quiet_wait_s - now
                     if due <= 0:
-                        self.send_post(rec)
+                        self.outbox.post(rec)
                     else:
                         nap = min(nap, due)
         with contextlib.suppress(EOFError, OSError):
-            self.flush()
+            self.outbox.flush()
         return nap
 
 
@@ -332,9 +344,9 @@ def close_run(calls: BoardCalls) -> None:
                     if rec.on_board:
                         board.overwrite(me, run, gid, rec.seq, _board.mark(run, me, rec.seq, "left"))
                         woken += board.bump([m for m in rec.members if m != me])
-                    calls.send_post(rec)
+                    calls.outbox.post(rec)
         calls.issue_all(ready)
-    calls.flush()
+    calls.outbox.flush()
     board.wake(woken)
     for rec in ready:
         calls.ck._decided(rec)
