@@ -25,7 +25,7 @@ from dstest.errors import InvalidArgument
 from dstest.worlds import lifecycle, torch_internals
 from dstest.worlds.request import RunRequest
 from dstest.worlds.stopping import reap
-from dstest.worlds.threaded import ranks
+from dstest.worlds.threaded import cpus, ranks
 from dstest.worlds.threaded.failures import Outcome
 from dstest.worlds.threaded.group import rank_process_group
 from dstest.worlds.threaded.thread_shared import ThreadedRendezvous, watch_module_writes
@@ -78,6 +78,8 @@ class WarmCrew:
         self.busy = threading.Lock()
         self.broken = False  # a run left a rank without its default group: the crew cannot serve again
         self.retired = False
+        self.cpu_mode = cpus.mode()
+        self.cpu = cpus.choose()  # the one CPU its ranks and its runs' caller share (DSTEST_RANK_CPUS=one), or None
         self._install = ranks.c10d_per_thread()
         self._c10d = self._install.__enter__()
         self._tasks: list[queue.SimpleQueue[Callable[[int], None] | None]] = [
@@ -104,6 +106,7 @@ class WarmCrew:
 
     def _main(self, rank: int) -> None:
         ranks.batch_scheduling()
+        cpus.pin(self.cpu)
         try:
             with rank_process_group(self._c10d, self.rendezvous, rank, self.device, timedelta(days=1)):
                 self._defaults[rank] = dist.group.WORLD
@@ -143,10 +146,11 @@ class WarmCrew:
 
         phase = self._phase = ranks.Countdown(self.world_size)
         self._run_id += 1
-        for q in self._tasks:
-            q.put(task)
         try:
-            notes = ranks.await_ranks(phase, rendezvous, self.threads, timeout, outcome)
+            with cpus.held_on(self.cpu):
+                for q in self._tasks:
+                    q.put(task)
+                notes = ranks.await_ranks(phase, rendezvous, self.threads, timeout, outcome)
         except BaseException:
             self.close(grace=0.5)
             raise
@@ -158,7 +162,8 @@ class WarmCrew:
         return ranks.finish_run(rendezvous, outcome, notes)
 
     def usable(self) -> bool:
-        return not self.retired and all(t.is_alive() for t in self.threads)
+        """Whether it can serve a run: not retired, every thread alive, made under the CPU mode in force."""
+        return not self.retired and self.cpu_mode == cpus.mode() and all(t.is_alive() for t in self.threads)
 
     def close(self, grace: float = 2.0) -> None:
         if self.retired:

@@ -40,7 +40,7 @@ from dstest.worlds import torch_internals
 from dstest.worlds.protocol import Capabilities
 from dstest.worlds.request import RunRequest
 from dstest.worlds.stopping import reap
-from dstest.worlds.threaded import parked
+from dstest.worlds.threaded import cpus, parked
 from dstest.worlds.threaded.crews import CREWS, shutdown_all
 from dstest.worlds.threaded.failures import Outcome
 from dstest.worlds.threaded.group import rank_process_group, register_backend
@@ -156,14 +156,18 @@ class ThreadedWorld:
         outcome = Outcome(world_size)
         phase = Countdown(world_size)
         paused = CollectorPaused(world_size)
-        with c10d_per_thread() as c10d_world:
+        cpu = cpus.choose()
+        with c10d_per_thread() as c10d_world, cpus.held_on(cpu):
 
             def rank_main(rank: int) -> None:
                 batch_scheduling()
                 try:
                     if turns is not None:
                         turns.begin()
-                    with rank_process_group(c10d_world, rendezvous, rank, device, timedelta(seconds=timeout)):
+                    with (
+                        cpus.held_on(cpu),  # a parked thread serves later runs on its own CPUs again
+                        rank_process_group(c10d_world, rendezvous, rank, device, timedelta(seconds=timeout)),
+                    ):
                         paused.started()
                         call_rank(rendezvous, rank, request, make_ctx(rank), outcome)
                 except BaseException as exc:  # init failed, or an abort landed outside the body

@@ -1,0 +1,83 @@
+"""Where a threaded world's rank threads run: on any CPU (the default), or all on one (``DSTEST_RANK_CPUS=one``).
+
+Rank threads hand the GIL to one another at every collective. On a machine with a CPU to spare, a woken rank
+thread is started on the idle CPU, which must first wake up itself, and then finds the GIL held: every
+hand-off costs a cross-CPU wake-up (measured: ``benchmarks/bench_rank_cpus.py``). With every rank thread and
+the caller of ``run`` on one CPU, a hand-off is a switch on that CPU: small collectives, FSDP2 steps and
+DTensor redistributions of small models run 2-4x faster. What runs outside the GIL in parallel (the large
+tensor operations of several ranks at once) then shares that one CPU: a body of large matmuls on four ranks
+ran 2x slower. So it is a choice, per process: ``any`` (default) or ``one``.
+
+With ``one``, the CPU is the one the caller runs on when the crew (or a cold run's threads) is made, within
+the process's own CPUs; the caller's thread is held on it for the run and given its own CPUs back after.
+Threads a rank starts inherit its CPU. Where threads cannot be pinned (not Linux), ``one`` changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+from dstest.errors import InvalidArgument
+
+__all__ = ["ENV_RANK_CPUS", "choose", "held_on", "mode", "pin"]
+
+ENV_RANK_CPUS = "DSTEST_RANK_CPUS"
+_MODES = ("any", "one")
+
+
+def mode() -> str:
+    """``any`` or ``one``, from ``DSTEST_RANK_CPUS``; raises :class:`InvalidArgument` naming what is allowed."""
+    raw = os.environ.get(ENV_RANK_CPUS, "").strip().lower() or "any"
+    if raw not in _MODES:
+        raise InvalidArgument(
+            f"{ENV_RANK_CPUS}={raw!r}: expected 'any' (the default: rank threads run on any CPU) or 'one' "
+            "(every rank thread of a world on one CPU)"
+        )
+    return raw
+
+
+def _current_cpu() -> int | None:
+    """The CPU the calling thread runs on now (Linux: the 39th field of its ``stat``), or None."""
+    try:
+        with open("/proc/thread-self/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()  # after the command name, which may hold spaces
+    try:
+        return int(fields[36])  # field 39 of the whole line; the first two (pid, comm) are cut
+    except (IndexError, ValueError):
+        return None
+
+
+def choose() -> int | None:
+    """The CPU a new crew's (or cold run's) rank threads are to share, or None where they run on any."""
+    if mode() != "one" or not hasattr(os, "sched_setaffinity"):
+        return None
+    allowed = os.sched_getaffinity(0)
+    cpu = _current_cpu()
+    return cpu if cpu in allowed else min(allowed)
+
+
+def pin(cpu: int | None) -> None:
+    """Hold the calling thread on ``cpu`` (None: leave it where it may run)."""
+    if cpu is not None:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, {cpu})
+
+
+@contextlib.contextmanager
+def held_on(cpu: int | None) -> Iterator[None]:
+    """The calling thread (a run's caller) held on ``cpu`` for the block, its own CPUs given back after."""
+    if cpu is None:
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    pin(cpu)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, own)

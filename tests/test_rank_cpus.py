@@ -1,0 +1,94 @@
+"""``DSTEST_RANK_CPUS``: a threaded world's rank threads on any CPU (default) or all on one (issue 44).
+
+Contracts: E1 (the threaded world's values are gloo's, whichever CPUs its threads run on), E4 (nothing of a run
+outlives it: the caller's own CPUs are given back, parked threads serve later runs on theirs) and the project's
+rule that a bad setting is refused with what is allowed, before any rank runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dstest
+from dstest.errors import InvalidArgument
+from dstest.worlds.request import RunRequest
+from dstest.worlds.threaded import ThreadedWorld, cpus
+
+pytestmark = [
+    pytest.mark.cpu,
+    pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="threads cannot be pinned here (not Linux)"),
+]
+
+OWN = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+
+
+def _where(ctx: Any) -> tuple[frozenset[int], frozenset[int], list[float]]:
+    """This rank's CPUs, those of a thread it starts, and what a few collectives give."""
+    seen: list[frozenset[int]] = []
+    helper = threading.Thread(target=lambda: seen.append(frozenset(os.sched_getaffinity(0))))
+    helper.start()
+    helper.join()
+    t = torch.arange(4, dtype=torch.float32) * (ctx.rank + 1)
+    for step in range(3):
+        dist.all_reduce(t)
+        t = t / (step + 2)
+    out = torch.empty(4 * ctx.world_size)
+    dist.all_gather_into_tensor(out, t)
+    return frozenset(os.sched_getaffinity(0)), seen[0], out.tolist()
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_one_cpu_holds_every_rank_and_its_threads_on_one_cpu_with_the_same_values(
+    monkeypatch: pytest.MonkeyPatch, warm: bool
+) -> None:
+    world = ThreadedWorld(warm=warm)
+    monkeypatch.setenv(cpus.ENV_RANK_CPUS, "any")
+    spread = world.run(RunRequest(_where, 4))
+    assert all(mine == set(OWN) and helper == set(OWN) for mine, helper, _ in spread)
+
+    monkeypatch.setenv(cpus.ENV_RANK_CPUS, "one")
+    before = os.sched_getaffinity(0)
+    held = world.run(RunRequest(_where, 4))
+    assert os.sched_getaffinity(0) == before  # the caller's own CPUs, given back
+    (cpu,) = held[0][0]
+    assert cpu in OWN
+    assert all(mine == {cpu} and helper == {cpu} for mine, helper, _ in held)
+    assert [v for *_, v in held] == [v for *_, v in spread]
+
+    monkeypatch.setenv(cpus.ENV_RANK_CPUS, "any")  # a crew made under "one" is not reused under "any"
+    again = world.run(RunRequest(_where, 4))
+    assert all(mine == set(OWN) for mine, _, _ in again)
+
+
+def test_the_values_are_gloos_on_one_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpus.ENV_RANK_CPUS, "one")
+    threaded = dstest.run(_where, 2, world="threaded")
+    process = dstest.run(_where, 2, world="process")
+    assert [v for *_, v in threaded] == [v for *_, v in process]
+
+
+def test_a_bad_setting_is_refused_before_any_rank_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[int] = []
+    monkeypatch.setenv(cpus.ENV_RANK_CPUS, "single")
+    for warm in (True, False):
+        with pytest.raises(InvalidArgument) as info:
+            ThreadedWorld(warm=warm).run(RunRequest(lambda ctx: ran.append(ctx.rank), 2))
+        assert "DSTEST_RANK_CPUS='single': expected 'any' (the default" in str(info.value)
+        assert "or 'one'" in str(info.value)
+    assert ran == []
+
+
+def test_the_chosen_cpu_is_one_the_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpus.ENV_RANK_CPUS, "one")
+    assert cpus.choose() in OWN
+    monkeypatch.setenv(cpus.ENV_RANK_CPUS, "")
+    assert cpus.mode() == "any" and cpus.choose() is None
+    if sys.platform.startswith("linux"):
+        assert cpus._current_cpu() in OWN
