@@ -29,27 +29,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_threaded import WORLD, _dstest_loop
+from bench_trace import _NULL
 
 import dstest.trace.recorder as recorder_module
 from dstest.trace import native
 from dstest.trace import records as R
 from dstest.worlds.request import RunRequest
 
-
-class _NoRecord:
-    __slots__ = ()
-
-    def finished(self, error: Any) -> None:
-        pass
-
-    def waiting(self, log: Any = None) -> None:
-        pass
-
-    def waited(self) -> None:
-        pass
-
-
-_NONE = _NoRecord()
+_NONE = _NULL  # a record that keeps nothing: bench_trace.py's stand-in
 _COLLECTIVE = recorder_module.Recorder.collective
 _SIDES: dict[str, tuple[Any, Any]] = {"python": (R.PyCallRecord, R.py_call_site), "c": (R.CallRecord, R.call_site)}
 

@@ -233,12 +233,19 @@ def test_a_bad_dstest_native_value_names_what_is_allowed() -> None:
     assert "DSTEST_NATIVE='yes': expected auto (the default), 1 (the C records) or 0 (Python's)" in done.stderr
 
 
-def test_without_a_compiler_the_python_records_are_chosen_and_said_so(tmp_path: Path) -> None:
-    done = _python(_WHICH, CXX="/nonexistent/c++", DSTEST_EXT_DIR=str(tmp_path))
+def _fallback(**env: str) -> tuple[str, str]:
+    """Which records a fresh interpreter chose under ``env`` (the Python ones, or the test fails), and its stderr."""
+    done = _python(_WHICH, **env)
     assert done.returncode == 0, done.stderr
     python, why = json.loads(done.stdout)
-    assert python and "no C++ compiler: /nonexistent/c++ is not on PATH" in why
-    assert "RuntimeWarning" not in done.stderr  # no compiler is an expected setup, not a failure
+    assert python, why
+    return why, done.stderr
+
+
+def test_without_a_compiler_the_python_records_are_chosen_and_said_so(tmp_path: Path) -> None:
+    why, stderr = _fallback(CXX="/nonexistent/c++", DSTEST_EXT_DIR=str(tmp_path))
+    assert "no C++ compiler: /nonexistent/c++ is not on PATH" in why
+    assert "RuntimeWarning" not in stderr  # no compiler is an expected setup, not a failure
 
     required = _python(_WHICH, CXX="/nonexistent/c++", DSTEST_EXT_DIR=str(tmp_path), DSTEST_NATIVE="1")
     assert required.returncode != 0
@@ -246,11 +253,9 @@ def test_without_a_compiler_the_python_records_are_chosen_and_said_so(tmp_path: 
 
 
 def test_a_failed_build_falls_back_with_a_warning_naming_the_compiler_and_the_directory(tmp_path: Path) -> None:
-    done = _python(_WHICH, CXX="false", DSTEST_EXT_DIR=str(tmp_path))
-    assert done.returncode == 0, done.stderr
-    python, why = json.loads(done.stdout)
-    assert python and str(tmp_path) in why and "false -O2" in why
-    assert "RuntimeWarning" in done.stderr and "DSTEST_NATIVE=0 silences this" in done.stderr
+    why, stderr = _fallback(CXX="false", DSTEST_EXT_DIR=str(tmp_path))
+    assert str(tmp_path) in why and "false -O2" in why
+    assert "RuntimeWarning" in stderr and "DSTEST_NATIVE=0 silences this" in stderr
 
 
 @pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler here")
