@@ -59,6 +59,8 @@ class Outbox:
         """Send what was queued so far, in order; returns once it is sent. Called holding neither the
         checker's lock nor the board's, and never by the listener thread (which must keep reading the
         referee's verdicts: it wakes a thread that flushes instead)."""
+        if not self.messages:  # most calls queue nothing; a message queued after this look is its queuer's to send
+            return
         with self.lock:
             with self.ck.lock:
                 out, self.messages = self.messages, []
