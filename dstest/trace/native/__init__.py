@@ -35,6 +35,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+from dstest.errors import InvalidArgument
+
 __all__ = ["ENV_NATIVE", "NativeStatus", "load", "status"]
 
 #: ``auto`` (default): the C record where it can be built, else the Python one; ``0``: the Python one;
@@ -67,10 +69,11 @@ def status() -> NativeStatus:
 
 
 def mode() -> str:
-    """``auto``, ``on`` or ``off``, from ``DSTEST_NATIVE``; raises ``ValueError`` naming what is allowed."""
+    """``auto``, ``on`` or ``off``, from ``DSTEST_NATIVE``; raises :class:`InvalidArgument` naming what is
+    allowed."""
     raw = os.environ.get(ENV_NATIVE, "auto").strip().lower()
     if raw not in _MODES:
-        raise ValueError(f"{ENV_NATIVE}={raw!r}: expected auto (the default), 1 (the C records) or 0 (Python's)")
+        raise InvalidArgument(f"{ENV_NATIVE}={raw!r}: expected auto (the default), 1 (the C records) or 0 (Python's)")
     return _MODES[raw]
 
 
@@ -104,7 +107,7 @@ def _compile(directory: Path, cxx: list[str], extra: tuple[str, ...] = ()) -> No
     os.close(fd)
     command = [
         *cxx, "-O2", "-std=c++17", "-fPIC", "-shared", "-fno-exceptions", "-fno-rtti",
-        f"-DTORCH_EXTENSION_NAME={_NAME}", f"-I{include}", *extra, str(_SOURCE), "-o", tmp, *link,
+        f"-DDSTEST_MODULE_NAME={_NAME}", f"-I{include}", *extra, str(_SOURCE), "-o", tmp, *link,
     ]  # fmt: skip
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)

@@ -352,13 +352,13 @@ PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "dstest_native_records", "dstes
 
 }  // namespace
 
-#ifndef TORCH_EXTENSION_NAME
-#define TORCH_EXTENSION_NAME dstest_native_records
+#ifndef DSTEST_MODULE_NAME
+#define DSTEST_MODULE_NAME dstest_native_records
 #endif
 #define DSTEST_CAT(a, b) a##b
 #define DSTEST_INIT(name) DSTEST_CAT(PyInit_, name)
 
-PyMODINIT_FUNC DSTEST_INIT(TORCH_EXTENSION_NAME)(void) {
+PyMODINIT_FUNC DSTEST_INIT(DSTEST_MODULE_NAME)(void) {
   PyObject* record_type = PyType_FromSpec(&record_spec);
   if (record_type == nullptr) {
     return nullptr;
@@ -372,7 +372,7 @@ PyMODINIT_FUNC DSTEST_INIT(TORCH_EXTENSION_NAME)(void) {
       g_str_last == nullptr) {
     return nullptr;
   }
-  module_def.m_name = Py_STRINGIFY(TORCH_EXTENSION_NAME);
+  module_def.m_name = Py_STRINGIFY(DSTEST_MODULE_NAME);
   PyObject* m = PyModule_Create(&module_def);
   if (m == nullptr) {
     return nullptr;
