@@ -92,3 +92,25 @@ def test_the_chosen_cpu_is_one_the_process_may_use(monkeypatch: pytest.MonkeyPat
     assert cpus.mode() == "any" and cpus.choose() is None
     if sys.platform.startswith("linux"):
         assert cpus._current_cpu() in OWN
+
+
+def _own_cpus(ctx: Any) -> frozenset[int]:
+    return frozenset(os.sched_getaffinity(0))
+
+
+def test_parked_threads_of_a_run_on_one_cpu_serve_later_runs_on_every_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """E4: a cold run's threads are made while its caller is held on the one CPU, so they start held too; those
+    parked for later runs get the caller's own CPUs back, not the CPU of the run that made them."""
+    from dstest.worlds.threaded import parked
+
+    monkeypatch.setenv("DSTEST_PARKED_THREADS", str(parked.PARK_FROM))
+    world = ThreadedWorld(warm=False)
+    try:
+        monkeypatch.setenv(cpus.ENV_RANK_CPUS, "one")
+        held = world.run(RunRequest(_own_cpus, parked.PARK_FROM))
+        assert len(set(held)) == 1 and len(held[0]) == 1
+        monkeypatch.setenv(cpus.ENV_RANK_CPUS, "any")
+        later = world.run(RunRequest(_own_cpus, parked.PARK_FROM))
+        assert set(later) == {frozenset(OWN)}
+    finally:
+        parked.shutdown_parked()

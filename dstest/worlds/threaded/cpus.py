@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 from dstest.errors import InvalidArgument
 
-__all__ = ["ENV_RANK_CPUS", "choose", "held_on", "mode", "pin"]
+__all__ = ["ENV_RANK_CPUS", "choose", "held_on", "mode", "own", "pin"]
 
 ENV_RANK_CPUS = "DSTEST_RANK_CPUS"
 _MODES = ("any", "one")
@@ -61,6 +61,11 @@ def choose() -> int | None:
     return cpu if cpu in allowed else min(allowed)
 
 
+def own() -> set[int] | None:
+    """The CPUs the calling thread may run on (None where that cannot be asked)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
+
 def pin(cpu: int | None) -> None:
     """Hold the calling thread on ``cpu`` (None: leave it where it may run)."""
     if cpu is not None:
@@ -69,12 +74,14 @@ def pin(cpu: int | None) -> None:
 
 
 @contextlib.contextmanager
-def held_on(cpu: int | None) -> Iterator[None]:
-    """The calling thread (a run's caller) held on ``cpu`` for the block, its own CPUs given back after."""
+def held_on(cpu: int | None, then: set[int] | None = None) -> Iterator[None]:
+    """The calling thread held on ``cpu`` for the block; after it, on ``then`` (default: the CPUs it had).
+    A cold run's rank thread, made while its caller was held, gets the caller's own CPUs (``then``): a
+    parked thread serves later runs on them, whatever this run's setting."""
     if cpu is None:
         yield
         return
-    own = os.sched_getaffinity(0)
+    own = os.sched_getaffinity(0) if then is None else then
     pin(cpu)
     try:
         yield

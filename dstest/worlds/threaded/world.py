@@ -156,7 +156,7 @@ class ThreadedWorld:
         outcome = Outcome(world_size)
         phase = Countdown(world_size)
         paused = CollectorPaused(world_size)
-        cpu = cpus.choose()
+        cpu, callers_cpus = cpus.choose(), cpus.own()
         with c10d_per_thread() as c10d_world, cpus.held_on(cpu):
 
             def rank_main(rank: int) -> None:
@@ -165,7 +165,7 @@ class ThreadedWorld:
                     if turns is not None:
                         turns.begin()
                     with (
-                        cpus.held_on(cpu),  # a parked thread serves later runs on its own CPUs again
+                        cpus.held_on(cpu, then=callers_cpus),  # a parked thread serves later runs on them
                         rank_process_group(c10d_world, rendezvous, rank, device, timedelta(seconds=timeout)),
                     ):
                         paused.started()
