@@ -114,3 +114,44 @@ def test_parked_threads_of_a_run_on_one_cpu_serve_later_runs_on_every_cpu(monkey
         assert set(later) == {frozenset(OWN)}
     finally:
         parked.shutdown_parked()
+
+
+_HOLDS_A_CPU = """
+import json, os, sys
+os.environ["DSTEST_RANK_CPUS"] = "one"
+from dstest.worlds.request import RunRequest
+from dstest.worlds.threaded import ThreadedWorld, cpus
+
+cpus._current_cpu = lambda: min(os.sched_getaffinity(0))  # both callers on the same CPU: the case claims settle
+
+def where(ctx):
+    return sorted(os.sched_getaffinity(0))
+
+print(json.dumps(ThreadedWorld(warm=True).run(RunRequest(where, 2))), flush=True)
+sys.stdin.readline()  # keeps its claim until told to end
+"""
+
+
+@pytest.mark.skipif(len(OWN) < 2, reason="one CPU only: every process's ranks share it")
+def test_two_processes_on_one_cpu_each_get_their_own(tmp_path: Any) -> None:
+    """pytest-xdist's workers each run their rank threads on one CPU: on a CPU of their own while there are
+    CPUs enough (each process claims one for its life), not all on the CPU their callers happened to share."""
+    import json
+    import subprocess
+
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1])}
+    procs = []
+    seen = []
+    try:
+        for _ in range(2):
+            p = subprocess.Popen(
+                [sys.executable, "-c", _HOLDS_A_CPU], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+            )
+            procs.append(p)
+            assert p.stdout is not None
+            seen.append(json.loads(p.stdout.readline()))
+    finally:
+        for p in procs:
+            p.communicate("\n", timeout=60)
+    (a,), (b,) = ({tuple(r) for r in s} for s in seen)  # each process: one CPU for all its ranks
+    assert len(a) == 1 and len(b) == 1 and a != b

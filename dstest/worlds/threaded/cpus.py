@@ -8,16 +8,22 @@ DTensor redistributions of small models run 2-4x faster. What runs outside the G
 tensor operations of several ranks at once) then shares that one CPU: a body of large matmuls on four ranks
 ran 2x slower. So it is a choice, per process: ``any`` (default) or ``one``.
 
-With ``one``, the CPU is the one the caller runs on when the crew (or a cold run's threads) is made, within
-the process's own CPUs; the caller's thread is held on it for the run and given its own CPUs back after.
+With ``one``, each process claims one CPU for its rank threads, for its life (:func:`choose`): one that no
+other process of the user claimed, so that pytest-xdist's workers each get their own; the caller's thread is
+held on it for each run and given its own CPUs back after.
 Threads a rank starts inherit its CPU. Where threads cannot be pinned (not Linux), ``one`` changes nothing.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import tempfile
+import threading
 from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
 
 from dstest.errors import InvalidArgument
 
@@ -52,13 +58,63 @@ def _current_cpu() -> int | None:
         return None
 
 
+#: The CPU this process's rank threads share under ``one``, and the open file whose lock claims it.
+_claimed: tuple[int, IO[bytes]] | None = None
+_claim_lock = threading.Lock()
+
+
+def _forget_claim() -> None:  # a forked child holds no claim of its own (the parent's lock stays the parent's)
+    global _claimed
+    _claimed = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_claim)
+
+
+def _claim(cpu: int) -> IO[bytes] | None:
+    """Hold the lock that claims ``cpu`` for this process's rank threads (released when the process ends), or
+    None when another process of this user holds it."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    folder = Path(tempfile.gettempdir()) / f"dstest-rank-cpus-{os.getuid()}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        handle = open(folder / f"cpu{cpu}.lock", "ab")  # held open for the process's life
+    except OSError:
+        return None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        return None
+    return handle
+
+
 def choose() -> int | None:
-    """The CPU a new crew's (or cold run's) rank threads are to share, or None where they run on any."""
+    """The CPU a new crew's (or cold run's) rank threads are to share, or None where they run on any.
+
+    One per process, kept for its life: a CPU no other process of this user claimed for its rank threads
+    (pytest-xdist's workers each get their own while there are CPUs enough), the one the caller runs on
+    first; where every CPU is claimed, the caller's."""
+    global _claimed
     if mode() != "one" or not hasattr(os, "sched_setaffinity"):
         return None
     allowed = os.sched_getaffinity(0)
-    cpu = _current_cpu()
-    return cpu if cpu in allowed else min(allowed)
+    with _claim_lock:
+        if _claimed is not None and _claimed[0] in allowed:
+            return _claimed[0]
+        here = _current_cpu()
+        here = here if here in allowed else min(allowed)
+        for cpu in [here, *sorted(allowed - {here})]:
+            handle = _claim(cpu)
+            if handle is not None:
+                _claimed = (cpu, handle)
+                atexit.register(handle.close)
+                return cpu
+        return here
 
 
 def own() -> set[int] | None:
