@@ -4,7 +4,7 @@ Rank threads hand the GIL to one another at every collective. On a machine with 
 thread is started on the idle CPU, which must first wake up itself, and then finds the GIL held: every
 hand-off costs a cross-CPU wake-up (measured: ``benchmarks/bench_rank_cpus.py``). With every rank thread and
 the caller of ``run`` on one CPU, a hand-off is a switch on that CPU: small collectives, FSDP2 steps and
-DTensor redistributions of small models run 2-4x faster. What runs outside the GIL in parallel (the large
+DTensor redistributions of small models ran 2.2-3x faster here. What runs outside the GIL in parallel (the large
 tensor operations of several ranks at once) then shares that one CPU: a body of large matmuls on four ranks
 ran 2x slower. So it is a choice, per process: ``any`` (default) or ``one``.
 
