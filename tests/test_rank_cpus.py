@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import warnings
 from typing import Any
 
 import pytest
@@ -155,3 +156,116 @@ def test_two_processes_on_one_cpu_each_get_their_own(tmp_path: Any) -> None:
             p.communicate("\n", timeout=60)
     (a,), (b,) = ({tuple(r) for r in s} for s in seen)  # each process: one CPU for all its ranks
     assert len(a) == 1 and len(b) == 1 and a != b
+
+
+# -- the parts, in this process (mutation testing found them untested: the two-process test runs them elsewhere)
+@pytest.fixture
+def no_claim(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
+    """cpus without this process's claim, its claims under ``tmp_path``; whatever the test claims is let go."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(cpus, "_claimed", None)
+    handles: list[Any] = []
+    yield handles
+    for h in handles:
+        h.close()
+    if cpus._claimed is not None:
+        cpus._claimed[1].close()
+
+
+def test_the_setting_unset_empty_or_cased_reads_as_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cpus.ENV_RANK_CPUS, raising=False)
+    assert cpus.mode() == "any"
+    monkeypatch.setenv(cpus.ENV_RANK_CPUS, " One ")
+    assert cpus.mode() == "one"
+    monkeypatch.setenv(cpus.ENV_RANK_CPUS, "two")
+    with pytest.raises(InvalidArgument) as info:
+        cpus.mode()
+    assert str(info.value) == (
+        "DSTEST_RANK_CPUS='two': expected 'any' (the default: rank threads run on any CPU) or 'one' "
+        "(every rank thread of a world on one CPU)"
+    )
+
+
+@pytest.mark.skipif(len(OWN) < 2, reason="one CPU only")
+def test_the_current_cpu_is_the_one_the_thread_is_held_on() -> None:
+    def on(cpu: int, seen: list[int | None]) -> None:
+        os.sched_setaffinity(0, {cpu})
+        seen.append(cpus._current_cpu())
+
+    for cpu in sorted(OWN):
+        seen: list[int | None] = []
+        t = threading.Thread(target=on, args=(cpu, seen))
+        t.start()
+        t.join()
+        assert seen == [cpu]
+
+
+@pytest.mark.skipif(len(OWN) < 2, reason="one CPU only")
+def test_a_cpu_claimed_elsewhere_is_passed_over_and_the_claim_is_kept(
+    monkeypatch: pytest.MonkeyPatch, no_claim: list[Any], tmp_path: Any
+) -> None:
+    monkeypatch.setenv(cpus.ENV_RANK_CPUS, "one")
+    first, second = sorted(OWN)[:2]
+    monkeypatch.setattr(cpus, "_current_cpu", lambda: first)
+    other = cpus._claim(first)  # another process's claim (another open file: flock tells them apart)
+    assert other is not None
+    no_claim.append(other)
+    assert cpus._claim(first) is None  # held: not claimed twice
+    assert cpus.choose() == second
+    assert cpus.choose() == second  # kept for the process's life
+    folder = tmp_path / f"dstest-rank-cpus-{os.getuid()}"
+    assert sorted(p.name for p in folder.iterdir()) == [f"cpu{first}.lock", f"cpu{second}.lock"]
+    assert folder.stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.skipif(len(OWN) < 2, reason="one CPU only")
+def test_the_callers_cpu_first_and_a_claim_outside_the_allowed_cpus_is_not_kept(
+    monkeypatch: pytest.MonkeyPatch, no_claim: list[Any]
+) -> None:
+    monkeypatch.setenv(cpus.ENV_RANK_CPUS, "one")
+    first, second = sorted(OWN)[:2]
+    monkeypatch.setattr(cpus, "_current_cpu", lambda: second)
+    assert cpus.choose() == second  # the caller's CPU, not the lowest
+    held: list[int | None] = []
+
+    def narrowed() -> None:  # a thread allowed only the other CPU: the process's claim is not on it
+        os.sched_setaffinity(0, {first})
+        held.append(cpus.choose())
+
+    t = threading.Thread(target=narrowed)
+    t.start()
+    t.join()
+    assert held == [first]
+    monkeypatch.setattr(cpus, "_current_cpu", lambda: None)  # not known: the lowest allowed CPU
+    cpus._claimed[1].close()  # type: ignore[index]
+    monkeypatch.setattr(cpus, "_claimed", None)
+    assert cpus.choose() == first
+
+
+def test_own_is_the_calling_threads_cpus_and_a_bad_pin_is_ignored() -> None:
+    assert cpus.own() == OWN
+    cpus.pin(None)
+    cpus.pin(10_000)  # no such CPU: sched_setaffinity refuses, the thread keeps its CPUs
+    assert os.sched_getaffinity(0) == OWN
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_holds_no_claim_of_its_parents(monkeypatch: pytest.MonkeyPatch, no_claim: list[Any]) -> None:
+    """A process world's worker is forked: its rank threads must claim a CPU of their own, not share the
+    claim (and the lock) of the process that forked it."""
+    monkeypatch.setenv(cpus.ENV_RANK_CPUS, "one")
+    cpus.choose()
+    assert cpus._claimed is not None
+    read, write = os.pipe()
+    with warnings.catch_warnings():  # Python 3.12+ warns of fork() in a process with threads; the child only reports
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: report, and leave without running any of the parent's cleanup
+        os.write(write, b"none" if cpus._claimed is None else b"held")
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 8) == b"none"
+    os.close(read)

@@ -104,8 +104,11 @@ def choose() -> int | None:
         return None
     allowed = os.sched_getaffinity(0)
     with _claim_lock:
-        if _claimed is not None and _claimed[0] in allowed:
-            return _claimed[0]
+        if _claimed is not None:
+            if _claimed[0] in allowed:
+                return _claimed[0]
+            _claimed[1].close()  # a thread held off that CPU: its claim goes, another is made
+            _claimed = None
         here = _current_cpu()
         here = here if here in allowed else min(allowed)
         for cpu in [here, *sorted(allowed - {here})]:
