@@ -54,6 +54,16 @@ _SKIPPED_FILES: dict[str, bool] = {}
 _SKIPPED_FILES_LIMIT = 50_000  # file names of code made at run time (exec, generated code) must not pile up
 
 
+def _classify(filename: str) -> bool:
+    """Whether frames of ``filename`` are skipped, stored in the table the walks read first."""
+    known = _SKIPPED_FILES
+    skipped = filename.startswith(_skip_dirs())
+    if len(known) >= _SKIPPED_FILES_LIMIT:
+        known.clear()
+    known[filename] = skipped
+    return skipped
+
+
 def py_call_site(depth: int = 2) -> tuple[str, int, str] | None:
     """(file, line, function) of the innermost frame outside dstest's worlds and torch."""
     known = _SKIPPED_FILES
@@ -63,10 +73,7 @@ def py_call_site(depth: int = 2) -> tuple[str, int, str] | None:
         filename = code.co_filename
         skipped = known.get(filename)
         if skipped is None:
-            skipped = filename.startswith(_skip_dirs())
-            if len(known) >= _SKIPPED_FILES_LIMIT:
-                known.clear()
-            known[filename] = skipped
+            skipped = _classify(filename)
         if not skipped:
             return (filename, frame.f_lineno, code.co_name)
         frame = frame.f_back
@@ -84,10 +91,7 @@ def call_stack(depth: int = 2, limit: int = 4) -> tuple[tuple[str, int, str], ..
         filename = code.co_filename
         skipped = known.get(filename)
         if skipped is None:
-            skipped = filename.startswith(_skip_dirs())
-            if len(known) >= _SKIPPED_FILES_LIMIT:
-                known.clear()
-            known[filename] = skipped
+            skipped = _classify(filename)
         if not skipped:
             found.append((filename, frame.f_lineno, code.co_name))
         frame = frame.f_back
@@ -271,16 +275,6 @@ class PyCallRecord(_Reading):
     def waited(self) -> None:
         if self.t_waited is None:
             self.t_waited = now_ns()
-
-
-def _classify(filename: str) -> bool:
-    """Whether frames of ``filename`` are skipped, stored in the table the walks read first."""
-    known = _SKIPPED_FILES
-    skipped = filename.startswith(_skip_dirs())
-    if len(known) >= _SKIPPED_FILES_LIMIT:
-        known.clear()
-    known[filename] = skipped
-    return skipped
 
 
 _native = native.load()

@@ -140,10 +140,10 @@ def held_on(cpu: int | None, then: set[int] | None = None) -> Iterator[None]:
     if cpu is None:
         yield
         return
-    own = os.sched_getaffinity(0) if then is None else then
+    after = os.sched_getaffinity(0) if then is None else then
     pin(cpu)
     try:
         yield
     finally:
         with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, own)
+            os.sched_setaffinity(0, after)
