@@ -234,8 +234,9 @@ def test_a_bad_dstest_native_value_names_what_is_allowed() -> None:
 
 
 def _fallback(**env: str) -> tuple[str, str]:
-    """Which records a fresh interpreter chose under ``env`` (the Python ones, or the test fails), and its stderr."""
-    done = _python(_WHICH, **env)
+    """Which records a fresh interpreter chose under ``env`` (the Python ones, or the test fails), and its stderr.
+    The choice is the default one (``auto``) unless ``env`` says otherwise, whatever this session's setting."""
+    done = _python(_WHICH, **{"DSTEST_NATIVE": "auto", **env})
     assert done.returncode == 0, done.stderr
     python, why = json.loads(done.stdout)
     assert python, why
