@@ -2,6 +2,7 @@
 # imported: import torch and the worlds here, before any inline run, so every run shares them.
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch  # noqa: F401
@@ -12,6 +13,12 @@ import dstest.worlds.fake
 import dstest.worlds.threaded  # noqa: F401
 
 pytest_plugins = ["pytester"]
+
+# The sessions a test starts share this session's build cache (the C call records, impl's native ops), as a
+# user's runs do: pytester gives each child session a HOME of its own, where each would otherwise compile the
+# records (0.3 s) and impl's CPU op (about 7 s) again. The path is the default one, so this session's own
+# builds go where they did; a test of the cache itself sets its own DSTEST_EXT_DIR.
+os.environ.setdefault("DSTEST_EXT_DIR", str(Path.home() / ".cache" / "dstest" / "ext"))
 
 # CI and this project's machines have 2 shared cores: a wall-clock deadline per example only measures the
 # neighbours. Tests that need other settings still set them with @settings.

@@ -27,6 +27,7 @@ import os
 import sys
 import tempfile
 import time
+import types
 from dataclasses import dataclass
 
 import pytest
@@ -34,6 +35,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dstest.pytest.warm.sources import Sources, resolve
+from dstest.pytest.warm.staleness import BUILT_FROM, imported_files
 
 pytestmark = pytest.mark.cpu
 
@@ -276,3 +278,40 @@ def test_an_entry_the_imports_appended_is_not_a_change() -> None:
         assert sources.changed() == f"module 'm0' would now be imported from {tree.a}/m0.py (the server has None)"
         sys.path_importer_cache.pop(tree.a, None)
         sys.path_importer_cache.pop(tree.b, None)
+
+
+def test_a_library_dstest_built_is_watched_through_its_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library dstest builds (the C call records) names the source it was built from (``BUILT_FROM``): the
+    server watches that source instead of the library. The library may have been written by the cold run
+    moments before the server started, when its stamp cannot be trusted: watched itself, it would make every
+    first warm run after a build cold (and name a file the user never touched). An edit of the source is a
+    change: the library built from it is no longer the one the next run would load."""
+    with tempfile.TemporaryDirectory() as root:
+        source = os.path.join(root, "lib.cpp")
+        _write(source, b"int answer() { return 42; }\n")
+        time.sleep((MARGIN_NS + _TICK_NS) / 1e9)
+        library = os.path.join(root, "built", "lib.so")
+        _write(library, b"\x7fELF built just now")  # by the cold run, just before the server started
+        since = time.time_ns()
+
+        def watched(files: list[str]) -> list[str]:
+            return [f for f in files if f.startswith(root)]
+
+        plain = types.ModuleType("dstest_test_built_lib")
+        plain.__file__ = library
+        monkeypatch.setitem(sys.modules, plain.__name__, plain)
+        assert watched(imported_files()) == [library]
+        unknown = Sources.take([library], [], [root], since, {}, MARGIN_NS)
+        assert (
+            unknown.changed()
+            == f"{library} changed while the warm server was starting (which version it imported is unknown)"
+        )
+
+        setattr(plain, BUILT_FROM, (source,))
+        assert watched(imported_files()) == [source]
+        sources = Sources.take(watched(imported_files()), [], [root], since, {}, MARGIN_NS)
+        assert sources.changed() is None
+        _write(library, b"\x7fELF built again")  # the same source built again: not a change
+        assert sources.changed() is None
+        _flip(source, 5)
+        assert sources.changed() == f"{source} changed after the warm server imported it"

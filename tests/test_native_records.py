@@ -55,6 +55,20 @@ def test_the_c_records_are_in_use_where_a_compiler_is() -> None:
 
 
 @needs_native
+def test_a_warm_server_watches_the_records_source_not_the_library() -> None:
+    """The loaded library names ``records.cpp`` as what it was built from: a warm server's staleness check
+    (contract F3) watches the source, so an edit of it makes the next run cold, and a library the cold run
+    built just before the server started does not."""
+    from dstest.pytest.warm.staleness import BUILT_FROM, imported_files
+
+    library = R._native
+    source = str(Path(native.__file__).with_name("records.cpp"))
+    assert library is not None and getattr(library, BUILT_FROM) == (source,)
+    files = imported_files()
+    assert source in files and library.__file__ not in files
+
+
+@needs_native
 @given(args)
 @settings(max_examples=300, deadline=None)
 def test_a_new_record_has_the_same_fields_in_both(a: tuple[Any, ...]) -> None:

@@ -53,11 +53,23 @@ def rewritten_by_pytest() -> set[str]:
     return names
 
 
+#: The attribute by which a library dstest builds (the C call records) names the sources it was built from.
+BUILT_FROM = "__dstest_built_from__"
+
+
 def imported_files() -> list[str]:
     """The file of every module imported now: those a loader read (their spec has a location), and any other
-    module's ``__file__`` that is a file (``torch.ops`` names a ``_ops.py`` that is not one)."""
-    files = []
+    module's ``__file__`` that is a file (``torch.ops`` names a ``_ops.py`` that is not one). A library dstest
+    built names its sources in :data:`BUILT_FROM`: those are watched instead of the library, which is
+    written once per source digest, atomically, and may be only moments old when a server starts (the cold
+    run before it built it), so that its own stamp could never be trusted; its sources' can, and an edit of
+    them is what makes the server's copy stale."""
+    files: list[str] = []
     for module in list(sys.modules.values()):
+        built_from = getattr(module, BUILT_FROM, None)
+        if isinstance(built_from, tuple):
+            files.extend(str(source) for source in built_from)
+            continue
         path = getattr(module, "__file__", None)
         if not isinstance(path, str):
             continue
@@ -90,9 +102,7 @@ def session_differs(spec: dict[str, Any], config: Any) -> str | None:
     if list(sys.path) != list(spec["sys_path"]):
         return f"sys.path after configuration differs from the warm server's: {sys.path} != {spec['sys_path']}"
     env = dict(os.environ)
-    names = sorted(
-        k for k in set(env) | set(spec["env"]) if k not in VOLATILE_ENV and env.get(k) != spec["env"].get(k)
-    )
+    names = sorted(k for k in set(env) | set(spec["env"]) if k not in VOLATILE_ENV and env.get(k) != spec["env"].get(k))
     if names:
         return f"the environment after configuration differs from the warm server's in {', '.join(names)}"
     return None

@@ -140,6 +140,9 @@ def _import(path: Path) -> ModuleType:
     assert spec is not None
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
+    # What a warm server watches for this library (dstest.pytest.warm.staleness.BUILT_FROM): its source, whose
+    # digest names the library's directory; the library itself is written once, atomically.
+    module.__dict__["__dstest_built_from__"] = (str(_SOURCE),)
     return module
 
 
