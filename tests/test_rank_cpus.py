@@ -68,6 +68,42 @@ def test_one_cpu_holds_every_rank_and_its_threads_on_one_cpu_with_the_same_value
     assert all(mine == set(OWN) for mine, _, _ in again)
 
 
+def _native_threads_on(cpu: int) -> list[int]:
+    """The threads of this process that Python did not start (torch's intra-op threads) held on ``cpu`` alone."""
+    python = {t.native_id for t in threading.enumerate()}
+    held = []
+    for name in os.listdir("/proc/self/task"):
+        tid = int(name)
+        try:
+            if tid not in python and os.sched_getaffinity(tid) == {cpu}:
+                held.append(tid)
+        except OSError:  # ended meanwhile
+            pass
+    return held
+
+
+def _parallel_work(ctx: Any) -> tuple[int, list[int], float]:
+    """A rank's large elementwise operation (split over torch's intra-op threads), then where those threads run."""
+    t = torch.full((1 << 20,), float(ctx.rank + 1)).exp_().log_()
+    total = t.sum().reshape(1)
+    dist.all_reduce(total)
+    (cpu,) = os.sched_getaffinity(0)
+    return cpu, _native_threads_on(cpu), total.item()
+
+
+@pytest.mark.skipif(len(OWN) < 2 or torch.get_num_threads() < 2, reason="needs 2 CPUs and 2 torch threads")
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_on_one_cpu_the_ranks_intra_op_threads_keep_every_cpu(monkeypatch: pytest.MonkeyPatch, warm: bool) -> None:
+    """Under ``one`` the rank threads are held on one CPU, and the threads torch splits a large operation over
+    are not: they were started before the pin, on the caller's CPUs (a rank's large matmul ran 2x slower when
+    they were held too). No thread of the process but Python's is held on the ranks' CPU."""
+    monkeypatch.setenv(cpus.ENV_RANK_CPUS, "one")
+    out = ThreadedWorld(warm=warm).run(RunRequest(_parallel_work, 3))
+    assert len({cpu for cpu, _, _ in out}) == 1
+    assert [held for _, held, _ in out] == [[], [], []]
+    assert [v for *_, v in out] == [(1 + 2 + 3) * float(1 << 20)] * 3
+
+
 def test_the_values_are_gloos_on_one_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpus.ENV_RANK_CPUS, "one")
     threaded = dstest.run(_where, 2, world="threaded")

@@ -5,13 +5,16 @@ thread is started on the idle CPU, which must first wake up itself, and then fin
 hand-off costs a cross-CPU wake-up (measured: ``benchmarks/bench_rank_cpus.py``). With every rank thread and
 the caller of ``run`` on one CPU, a hand-off is a switch on that CPU: small collectives, FSDP2 steps and
 DTensor redistributions of small models ran 2.2-3x faster here. What runs outside the GIL in parallel (the large
-tensor operations of several ranks at once) then shares that one CPU: a body of large matmuls on four ranks
-ran 2x slower. So it is a choice, per process: ``any`` (default) or ``one``.
+tensor operations of several ranks at once) then shares that one CPU, except what torch splits over its
+intra-op threads, which each rank starts before it is pinned (:func:`start_intra_op_threads`): a body of
+large matmuls on four ranks ran 2x slower without that, 0.92x with it. So it is a choice, per process:
+``any`` (default) or ``one``.
 
 With ``one``, each process claims one CPU for its rank threads, for its life (:func:`choose`): one that no
 other process of the user claimed, so that pytest-xdist's workers each get their own; the caller's thread is
 held on it for each run and given its own CPUs back after.
-Threads a rank starts inherit its CPU. Where threads cannot be pinned (not Linux), ``one`` changes nothing.
+Threads a rank starts inherit its CPU (and so do processes it starts: ``subprocess`` children run on that one
+CPU too). Where threads cannot be pinned (not Linux), ``one`` changes nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import IO
 
 from dstest.errors import InvalidArgument
 
-__all__ = ["ENV_RANK_CPUS", "choose", "held_on", "mode", "own", "pin"]
+__all__ = ["ENV_RANK_CPUS", "choose", "held_on", "mode", "own", "pin", "start_intra_op_threads"]
 
 ENV_RANK_CPUS = "DSTEST_RANK_CPUS"
 _MODES = ("any", "one")
@@ -118,6 +121,33 @@ def choose() -> int | None:
                 atexit.register(handle.close)
                 return cpu
         return here
+
+
+#: Worlds of up to this many ranks start each rank thread's intra-op threads before it is pinned
+#: (:func:`start_intra_op_threads`): a thread or two per rank, made once per warm crew.
+INTRA_OP_UP_TO = 64
+
+
+def start_intra_op_threads(cpu: int | None, on: set[int] | None, world_size: int) -> None:
+    """Start the calling rank thread's intra-op threads while it may still run on the CPUs ``on`` (the
+    caller's), just before it is pinned to ``cpu`` (None: it is not, and nothing is done); in worlds of up to
+    :data:`INTRA_OP_UP_TO` ranks.
+
+    torch's CPU operations split large work over a team of threads (OpenMP) that each thread starts at its
+    first parallel operation and keeps; the team's threads keep the CPUs their thread had then. Started after
+    the pin, a rank's large matmul runs on its one CPU (measured: 2x slower than on any CPU); started before,
+    the rank thread itself stays on the one CPU, where the GIL hand-offs are cheap, and its team computes on
+    every CPU the caller had. One parallel operation starts it: an elementwise fill of 2^16 elements, above
+    torch's grain of 2^15 per thread (about 0.1 ms, once per thread)."""
+    if cpu is None or on is None or len(on) < 2 or world_size > INTRA_OP_UP_TO:
+        return
+    import torch
+
+    if torch.get_num_threads() < 2:
+        return
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, on)
+    torch.empty(1 << 16).fill_(0.0)
 
 
 def own() -> set[int] | None:

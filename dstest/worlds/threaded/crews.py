@@ -80,6 +80,7 @@ class WarmCrew:
         self.retired = False
         self.cpu_mode = cpus.mode()
         self.cpu = cpus.choose()  # the one CPU its ranks and its runs' caller share (DSTEST_RANK_CPUS=one), or None
+        self._callers_cpus = cpus.own()  # where its ranks' intra-op threads may run
         self._install = ranks.c10d_per_thread()
         self._c10d = self._install.__enter__()
         self._tasks: list[queue.SimpleQueue[Callable[[int], None] | None]] = [
@@ -106,6 +107,7 @@ class WarmCrew:
 
     def _main(self, rank: int) -> None:
         ranks.batch_scheduling()
+        cpus.start_intra_op_threads(self.cpu, self._callers_cpus, self.world_size)
         cpus.pin(self.cpu)
         try:
             with rank_process_group(self._c10d, self.rendezvous, rank, self.device, timedelta(days=1)):

@@ -164,6 +164,7 @@ class ThreadedWorld:
                 try:
                     if turns is not None:
                         turns.begin()
+                    cpus.start_intra_op_threads(cpu, callers_cpus, world_size)
                     with (
                         cpus.held_on(cpu, then=callers_cpus),  # a parked thread serves later runs on them
                         rank_process_group(c10d_world, rendezvous, rank, device, timedelta(seconds=timeout)),
