@@ -790,3 +790,76 @@ def test_a_failing_torch_bases_test_leaves_its_trace_in_the_cache_and_names_its_
         result.stdout.fnmatch_lines(
             [f"*flight-recorder dumps of this run: fr/{folder.name}/run-1 (read them with: python -m *{FR_PREFIX})"]
         )
+
+
+PRELOAD_SUITE = """
+import os
+import sys
+
+import torch.distributed as dist
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+
+import {lib}
+
+
+class Preloaded(MultiProcessTestCase):
+    @property
+    def world_size(self):
+        return 2
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    def test_where_the_library_was_imported(self):
+        dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size, init_method=f"file://{{self.file_name}}")
+        with open(os.path.join(os.environ["WHERE_DIR"], f"rank{{self.rank}}"), "w") as f:
+            f.write(f"{{{lib}.IMPORTED_IN}} {{os.getpid()}} {{len([m for m in sys.modules if m.startswith('{lib}')])}}")
+        dist.destroy_process_group()
+"""
+
+
+def _library(root: Path, name: str, modules: int) -> None:
+    """A package of ``modules`` submodules, each imported by the package; it records the pid that imported it."""
+    pkg = root / name
+    pkg.mkdir()
+    body = "import os\nIMPORTED_IN = os.getpid()\n" + "".join(f"from . import m{i}\n" for i in range(modules))
+    (pkg / "__init__.py").write_text(body)
+    for i in range(modules):
+        (pkg / f"m{i}.py").write_text(f"VALUE = {i}\n")
+
+
+@pytest.mark.parametrize("modules", [80, 3], ids=["library", "helper"])
+def test_a_library_the_collection_imported_is_imported_once_by_the_fork_server(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, modules: int
+) -> None:
+    """A test file that imports a library (here 81 modules) the bases do not: the fork server, started before
+    collection, is replaced by one that imports it too, so every worker starts with it (imported in another
+    process than the rank's own); a helper of a few modules is not worth a new server, and each worker imports
+    it at its first test, as before. The verdicts are the same either way."""
+    where = pytester.path / "where"
+    where.mkdir()
+    monkeypatch.setenv("WHERE_DIR", str(where))
+    name = f"lib{modules}"
+    _library(pytester.path, name, modules)
+    pytester.makepyfile(test_preload=PRELOAD_SUITE.format(lib=name))
+    result, verdicts = _run(pytester)
+    assert verdicts == {"test_where_the_library_was_imported": "passed"}, result.stdout.str()[-4000:]
+    seen = [p.read_text().split() for p in sorted(where.iterdir())]
+    assert len(seen) == 2 and all(count == str(modules + 1) for _, _, count in seen), seen
+    if modules >= 50:  # compat.torch.RESTART_FROM
+        assert all(imported != pid for imported, pid, _ in seen), seen  # by the server, before the fork
+    else:
+        assert all(imported == pid for imported, pid, _ in seen), seen  # by the rank itself
+
+
+def test_a_running_fork_server_is_not_asked_for_a_report(tmp_path: Path) -> None:
+    """A session whose fork server runs already (a warm session's, a fork of its own process) gets no report
+    of the server's imports, and must not wait for one: the plugin then leaves the server as it is."""
+    from dstest.worlds.process import launch
+
+    assert launch.start_fork_server()  # this process's server, running from now on (or already)
+    report = tmp_path / "modules.json"
+    assert launch.fork_server_pid() is not None
+    assert launch.start_fork_server_reporting(str(report)) is False
+    assert not report.exists()

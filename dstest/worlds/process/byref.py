@@ -12,7 +12,9 @@ name), so the plugin's own rank function must live at module level; what that fu
   its ranks); :func:`pool_pids` says which workers a world size has now, to notice a replaced pool, and
   :func:`pool_token` whether a run ended with its pool killed or replaced.
 - :func:`preload_in_fork_server` has every worker start with the suite's heavy imports done once, and
-  :func:`start_fork_server` starts that server at once, so its imports overlap the plugin's collection;
+  :func:`start_fork_server` starts that server at once, so its imports overlap the plugin's collection
+  (:func:`restart_fork_server` replaces it, before its first worker, by one that also imports what the
+  collection imported);
   :func:`fork_server_preload` lists what it imports, and :func:`fork_server_from_here` makes the server a
   fork of a process that has imported it all already (a warm session, :mod:`dstest.pytest.warm`);
   :func:`replace_after_this_run`, called on a rank, gives the next run fresh processes.
@@ -35,10 +37,13 @@ from types import ModuleType
 
 from dstest.worlds.process.launch import (
     fork_server_from_here,
+    fork_server_pid,
     fork_server_preload,
     free_port,
     preload_in_fork_server,
+    restart_fork_server,
     start_fork_server,
+    start_fork_server_reporting,
 )
 from dstest.worlds.process.messages import FnRef
 from dstest.worlds.process.state_watch import FreshProcess, close_held_scope, fresh_process, fresh_process_rng
@@ -46,8 +51,10 @@ from dstest.worlds.process.state_watch import FreshProcess, close_held_scope, fr
 __all__ = [
     "FreshProcess",
     "ModuleRef",
+    "any_pool",
     "close_held_scope",
     "fork_server_from_here",
+    "fork_server_pid",
     "fork_server_preload",
     "free_port",
     "fresh_process",
@@ -59,7 +66,9 @@ __all__ = [
     "preload_in_fork_server",
     "put_path_first",
     "replace_after_this_run",
+    "restart_fork_server",
     "start_fork_server",
+    "start_fork_server_reporting",
 ]
 
 #: How a worker finds a module (or a function in it): ``(module, qualname, path, rewrite_asserts)``, a
@@ -89,6 +98,13 @@ def put_path_first(path: list[str]) -> None:
     order, each entry once."""
     known = set(path)
     sys.path[:] = [*path, *(p for p in sys.path if p not in known)]
+
+
+def any_pool() -> bool:
+    """Whether this process has a live warm pool of any world size (workers forked from its fork server)."""
+    from dstest.worlds.process.pool_cache import pool_pids as all_pool_pids
+
+    return bool(all_pool_pids())
 
 
 def pool_pids(world_size: int, backend: str = "gloo") -> tuple[int, ...]:

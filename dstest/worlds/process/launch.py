@@ -28,8 +28,17 @@ def threads_per_rank(world_size: int) -> int | None:
 
 
 #: The first, ``dstest._fork_server_path``, gives the server the starting process's ``sys.path``.
-_PRELOAD = ["dstest._fork_server_path", "__main__", "torch", "torch.distributed", "dstest.context", "dstest.specification", "dstest.worlds.process"]
+_PRELOAD = [
+    "dstest._fork_server_path",
+    "__main__",
+    "torch",
+    "torch.distributed",
+    "dstest.context",
+    "dstest.specification",
+    "dstest.worlds.process",
+]
 _CONTEXT: Any = None
+_FORKED_HERE = False  # the fork server is a fork of this process (fork_server_from_here)
 
 
 def preload_in_fork_server(*modules: str) -> bool:
@@ -97,6 +106,53 @@ def start_fork_server() -> bool:
     finally:
         os.environ.pop("DSTEST_FORK_SERVER_SYS_PATH", None)
     return True
+
+
+def restart_fork_server(modules: list[str]) -> bool:
+    """Replace a fork server that has not forked a worker yet by one that also imports ``modules`` (in this
+    order; each error passed over, see :mod:`dstest._fork_server_modules`), so that every worker starts with
+    them imported instead of importing them itself. For a pytest session whose collection imported a heavy
+    library the server was started without (the server starts while pytest collects). Returns whether it
+    did: not where no module is named, no fork server is used, or the server is a fork of this process (a
+    warm session's, which has imported what the session imports). Call it before this process's first pool.
+    """
+    if not modules or _FORKED_HERE:
+        return False
+    if _CONTEXT is None or _CONTEXT.get_start_method() != "forkserver":
+        return False
+    import json
+
+    stop_fork_server()
+    preload_in_fork_server("dstest._fork_server_modules")
+    os.environ["DSTEST_FORK_SERVER_MODULES"] = json.dumps(modules)
+    try:
+        return start_fork_server()
+    finally:
+        os.environ.pop("DSTEST_FORK_SERVER_MODULES", None)
+
+
+def fork_server_pid() -> int | None:
+    """The pid of this process's running fork server, or None."""
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)  # private, hence the care
+    return pid if isinstance(pid, int) else None
+
+
+def start_fork_server_reporting(report: str) -> bool:
+    """:func:`start_fork_server`, the server writing the names of the modules it imported to the file
+    ``report`` once its preloads are done (:mod:`dstest._fork_server_modules`). Returns whether this call
+    started a server that will write it: False where no fork server is used or one runs already (a warm
+    session's, a fork of this process)."""
+    if fork_server_pid() is not None or _FORKED_HERE:
+        start_fork_server()
+        return False
+    preload_in_fork_server("dstest._fork_server_modules")
+    os.environ["DSTEST_FORK_SERVER_REPORT"] = report
+    try:
+        return start_fork_server() and fork_server_pid() is not None
+    finally:
+        os.environ.pop("DSTEST_FORK_SERVER_REPORT", None)
 
 
 def stop_fork_server() -> None:
@@ -167,6 +223,8 @@ def fork_server_from_here(preload: list[str] | tuple[str, ...] = (), close_in_se
     server._forkserver_address = address
     server._forkserver_alive_fd = alive_w
     server._forkserver_pid = pid
+    global _FORKED_HERE
+    _FORKED_HERE = True
     return True
 
 
