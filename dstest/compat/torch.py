@@ -43,12 +43,10 @@ Test ids are upstream's; ``instantiate_parametrized_tests`` and the bases' skips
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
 import tempfile
-import time
 from typing import Any
 
 import pytest
@@ -91,16 +89,6 @@ def pytest_configure(config: pytest.Config) -> None:
 RESTART_FROM = 50
 
 
-def _alive(pid: int | None) -> bool:
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True
-
-
 def collected_imports(before: set[str], server: set[str]) -> list[str]:
     """The modules imported since ``before`` that the fork server has not imported (``server``), in import
     order: what every worker would import again at its first test. Not the test modules and conftests
@@ -129,19 +117,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if started is None or session.config.option.collectonly or not session.items:
         return
     before, report = started
-    from dstest.worlds.process.byref import fork_server_pid
+    from dstest.worlds.process.byref import any_pool, read_fork_server_report, restart_fork_server
 
-    # The first test waits for the server's imports anyway; a server that died writes nothing.
-    deadline = time.monotonic() + 60
-    while not os.path.exists(report) and time.monotonic() < deadline and _alive(fork_server_pid()):
-        time.sleep(0.05)
-    try:
-        with open(report, encoding="utf-8") as f:
-            server = set(json.load(f))
-    except (OSError, ValueError):  # no report: the server did not start here, or failed; leave it be
+    server = read_fork_server_report(report)
+    if server is None:  # the server did not start here, or failed: leave it be
         return
-    from dstest.worlds.process.byref import any_pool, restart_fork_server
-
     names = collected_imports(before, server)
     if len(names) >= RESTART_FROM and not any_pool():  # no worker forked from the server yet
         restart_fork_server(names)

@@ -37,10 +37,10 @@ from types import ModuleType
 
 from dstest.worlds.process.launch import (
     fork_server_from_here,
-    fork_server_pid,
     fork_server_preload,
     free_port,
     preload_in_fork_server,
+    read_fork_server_report,
     restart_fork_server,
     start_fork_server,
     start_fork_server_reporting,
@@ -54,7 +54,6 @@ __all__ = [
     "any_pool",
     "close_held_scope",
     "fork_server_from_here",
-    "fork_server_pid",
     "fork_server_preload",
     "free_port",
     "fresh_process",
@@ -65,6 +64,7 @@ __all__ = [
     "pool_token",
     "preload_in_fork_server",
     "put_path_first",
+    "read_fork_server_report",
     "replace_after_this_run",
     "restart_fork_server",
     "start_fork_server",

@@ -5,10 +5,13 @@ the rendezvous port and the threads each rank gets.
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import os
 import signal
 import socket
+import sys
+import time
 from typing import Any, NoReturn
 
 
@@ -88,23 +91,24 @@ def mp_context() -> Any:
     return _CONTEXT
 
 
-def start_fork_server() -> bool:
+def start_fork_server(env: dict[str, str] | None = None) -> bool:
     """Start the fork server now, without waiting for it: it imports torch and the preloaded modules in its
     own process while this one goes on (a pytest session collecting its tests), so the first pool forks
-    from a server that is ready. Returns whether a fork server is used here."""
+    from a server that is ready. ``env``: variables the server's preload modules read (and remove), set in
+    this process only while the server starts. Returns whether a fork server is used here."""
     ctx = mp_context()
     if ctx.get_start_method() != "forkserver":
         return False
-    import json
-    import sys
     from multiprocessing import forkserver
 
     # The server imports its preloads with this process's sys.path (dstest._fork_server_path reads it).
-    os.environ["DSTEST_FORK_SERVER_SYS_PATH"] = json.dumps(sys.path)
+    given = {"DSTEST_FORK_SERVER_SYS_PATH": json.dumps(sys.path), **(env or {})}
+    os.environ.update(given)
     try:
         forkserver.ensure_running()
     finally:
-        os.environ.pop("DSTEST_FORK_SERVER_SYS_PATH", None)
+        for name in given:
+            os.environ.pop(name, None)
     return True
 
 
@@ -120,15 +124,9 @@ def restart_fork_server(modules: list[str]) -> bool:
         return False
     if _CONTEXT is None or _CONTEXT.get_start_method() != "forkserver":
         return False
-    import json
-
     stop_fork_server()
     preload_in_fork_server("dstest._fork_server_modules")
-    os.environ["DSTEST_FORK_SERVER_MODULES"] = json.dumps(modules)
-    try:
-        return start_fork_server()
-    finally:
-        os.environ.pop("DSTEST_FORK_SERVER_MODULES", None)
+    return start_fork_server({"DSTEST_FORK_SERVER_MODULES": json.dumps(modules)})
 
 
 def fork_server_pid() -> int | None:
@@ -141,18 +139,39 @@ def fork_server_pid() -> int | None:
 
 def start_fork_server_reporting(report: str) -> bool:
     """:func:`start_fork_server`, the server writing the names of the modules it imported to the file
-    ``report`` once its preloads are done (:mod:`dstest._fork_server_modules`). Returns whether this call
-    started a server that will write it: False where no fork server is used or one runs already (a warm
-    session's, a fork of this process)."""
+    ``report`` once its preloads are done (:mod:`dstest._fork_server_modules`; read it with
+    :func:`read_fork_server_report`). Returns whether this call started a server that will write it: False
+    where no fork server is used or one runs already (a warm session's, a fork of this process)."""
     if fork_server_pid() is not None or _FORKED_HERE:
         start_fork_server()
         return False
     preload_in_fork_server("dstest._fork_server_modules")
-    os.environ["DSTEST_FORK_SERVER_REPORT"] = report
+    return start_fork_server({"DSTEST_FORK_SERVER_REPORT": report}) and fork_server_pid() is not None
+
+
+def read_fork_server_report(report: str, timeout: float = 60.0) -> set[str] | None:
+    """The modules the server started by :func:`start_fork_server_reporting` imported, once it has written
+    them to ``report``: waited for while the server lives, up to ``timeout`` seconds (a first pool would
+    wait for its imports anyway); None where it never wrote them (it died, or the time ran out)."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(report) and time.monotonic() < deadline and _fork_server_alive():
+        time.sleep(0.05)
     try:
-        return start_fork_server() and fork_server_pid() is not None
-    finally:
-        os.environ.pop("DSTEST_FORK_SERVER_REPORT", None)
+        with open(report, encoding="utf-8") as f:
+            return set(json.load(f))
+    except (OSError, ValueError):
+        return None
+
+
+def _fork_server_alive() -> bool:
+    pid = fork_server_pid()
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
 
 
 def stop_fork_server() -> None:
