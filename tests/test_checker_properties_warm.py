@@ -31,7 +31,7 @@ import types
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dstest.pytest.warm.sources import Sources, resolve
@@ -315,3 +315,49 @@ def test_a_library_dstest_built_is_watched_through_its_source(monkeypatch: pytes
         assert sources.changed() is None
         _flip(source, 5)
         assert sources.changed() == f"{source} changed after the warm server imported it"
+
+
+@settings(max_examples=40)
+@given(
+    source_bytes=st.binary(min_size=1, max_size=200),
+    rebuilt=st.binary(max_size=64),
+    at=st.integers(0, 10_000),
+    bit=st.integers(0, 7),
+    sources=st.integers(1, 3),
+)
+def test_a_built_library_is_stale_exactly_when_a_source_byte_changed(
+    source_bytes: bytes, rebuilt: bytes, at: int, bit: int, sources: int
+) -> None:
+    """The same as a property: a library naming 1-3 sources (``BUILT_FROM``) is never watched itself, and
+    rewriting it with any bytes (a rebuild) is no change; one bit flipped anywhere in any of its sources is
+    a change naming that source."""
+    name = "dstest_test_built_lib_prop"
+    with tempfile.TemporaryDirectory() as root:
+        paths = [os.path.join(root, f"src{i}.cpp") for i in range(sources)]
+        for path in paths:
+            _write(path, source_bytes)
+        time.sleep((MARGIN_NS + _TICK_NS) / 1e9)
+        library = os.path.join(root, "built", "lib.so")
+        _write(library, b"\x7fELF")
+        since = time.time_ns()
+        module = types.ModuleType(name)
+        module.__file__ = library
+        setattr(module, BUILT_FROM, tuple(paths))
+        sys.modules[name] = module
+        try:
+            watched = [f for f in imported_files() if f.startswith(root)]
+        finally:
+            del sys.modules[name]
+        assert watched == paths
+        taken = Sources.take(watched, [], [root], since, {}, MARGIN_NS)
+        _write(library, rebuilt)
+        assert taken.changed() is None
+        target = paths[at % sources]
+        before = os.stat(target)
+        with open(target, "r+b") as f:
+            data = bytearray(f.read())
+            data[at % len(data)] ^= 1 << bit
+            f.seek(0)
+            f.write(data)
+        os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns))
+        assert taken.changed() == f"{target} changed after the warm server imported it"
