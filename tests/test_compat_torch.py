@@ -819,47 +819,59 @@ class Preloaded(MultiProcessTestCase):
 """
 
 
-def _library(root: Path, name: str, modules: int) -> None:
-    """A package of ``modules`` submodules, each imported by the package; it records the pid that imported it."""
+def _library(root: Path, name: str, modules: int, fails_in_server: bool = False) -> None:
+    """A package of ``modules`` submodules, each imported by the package; it records the pid that imported it.
+    ``fails_in_server``: its import raises in multiprocessing's fork server (the one process started as
+    ``python -c`` that is not a child of multiprocessing), and only there."""
     pkg = root / name
     pkg.mkdir()
     body = "import os\nIMPORTED_IN = os.getpid()\n" + "".join(f"from . import m{i}\n" for i in range(modules))
+    if fails_in_server:
+        body = (
+            "import multiprocessing, sys\n"
+            "if sys.argv[:1] == ['-c'] and multiprocessing.parent_process() is None:\n"
+            "    raise RuntimeError('not in the fork server')\n"
+        ) + body
     (pkg / "__init__.py").write_text(body)
     for i in range(modules):
         (pkg / f"m{i}.py").write_text(f"VALUE = {i}\n")
 
 
-@pytest.mark.parametrize("modules", [80, 3], ids=["library", "helper"])
-def test_a_library_the_collection_imported_is_imported_once_by_the_fork_server(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, modules: int
+@pytest.mark.parametrize(
+    ("modules", "fails_in_server"), [(80, False), (3, False), (3, True)], ids=["library", "helper", "fails-in-server"]
+)
+def test_what_the_collection_imported_is_imported_once_by_the_fork_server(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, modules: int, fails_in_server: bool
 ) -> None:
-    """A test file that imports a library (here 81 modules) the bases do not: the fork server, started before
-    collection, is replaced by one that imports it too, so every worker starts with it (imported in another
-    process than the rank's own); a helper of a few modules is not worth a new server, and each worker imports
-    it at its first test, as before. The verdicts are the same either way."""
+    """A test file that imports a library the bases do not (81 modules, or a helper of 4): the fork server,
+    started before collection, is fed what the collection imported and imports it too, before its first
+    worker, so every worker starts with it (imported in another process than the rank's own). A module
+    whose import fails in the server is passed over there, and each worker imports it at its first test, as
+    without the feed. The verdicts are the same either way."""
     where = pytester.path / "where"
     where.mkdir()
     monkeypatch.setenv("WHERE_DIR", str(where))
-    name = f"lib{modules}"
-    _library(pytester.path, name, modules)
+    name = f"lib{modules}{'x' if fails_in_server else ''}"
+    _library(pytester.path, name, modules, fails_in_server)
     pytester.makepyfile(test_preload=PRELOAD_SUITE.format(lib=name))
     result, verdicts = _run(pytester)
     assert verdicts == {"test_where_the_library_was_imported": "passed"}, result.stdout.str()[-4000:]
     seen = [p.read_text().split() for p in sorted(where.iterdir())]
     assert len(seen) == 2 and all(count == str(modules + 1) for _, _, count in seen), seen
-    if modules >= 50:  # compat.torch.RESTART_FROM
-        assert all(imported != pid for imported, pid, _ in seen), seen  # by the server, before the fork
-    else:
+    if fails_in_server:
         assert all(imported == pid for imported, pid, _ in seen), seen  # by the rank itself
+    else:
+        assert all(imported != pid for imported, pid, _ in seen), seen  # by the server, before the fork
 
 
-def test_a_running_fork_server_is_not_asked_for_a_report(tmp_path: Path) -> None:
-    """A session whose fork server runs already (a warm session's, a fork of its own process) gets no report
-    of the server's imports, and must not wait for one: the plugin then leaves the server as it is."""
+def test_a_running_fork_server_is_not_fed(tmp_path: Path) -> None:
+    """A session whose fork server runs already (a warm session's, a fork of its own process, which has
+    imported what the session imports) does not feed it: nothing is written, and feeding does nothing."""
     from dstest.worlds.process import launch
 
     assert launch.start_fork_server()  # this process's server, running from now on (or already)
-    report = tmp_path / "modules.json"
+    feed = tmp_path / "feed"
     assert launch.fork_server_pid() is not None
-    assert launch.start_fork_server_reporting(str(report)) is False
-    assert not report.exists()
+    assert launch.start_fork_server_fed(str(feed)) is False
+    assert launch.feed_fork_server(["json"]) is False
+    assert not feed.exists()

@@ -43,10 +43,7 @@ Test ids are upstream's; ``instantiate_parametrized_tests`` and the bases' skips
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
-import tempfile
 from typing import Any
 
 import pytest
@@ -58,12 +55,15 @@ from dstest.compat._warm_run import restore
 __all__ = ["FRESH_ATTR", "FRESH_MARK", "reset_torch_testing"]
 
 _STATE_KEY = pytest.StashKey[TorchState]()
-#: The modules imported when the fork server started, and the file it names its own imports in.
-_IMPORTED_KEY = pytest.StashKey[tuple[set[str], str]]()
 _BASES = "torch.testing._internal.common_distributed"
 
 
+@pytest.hookimpl(tryfirst=True)  # the fork server starts before anything imports torch here
 def pytest_configure(config: pytest.Config) -> None:
+    from dstest.compat import _server_feed
+
+    # imports torch and its test bases in its own process while pytest collects, then what the collection imports
+    _server_feed.start(config, preload=("dstest.compat._torch_preload",))
     config.addinivalue_line("markers", f"{FRESH_MARK}(reason): run this test on its base's own processes, not warm")
     from dstest.pytest.options import INI_UNCHECKED, OPT_UNCHECKED
 
@@ -74,57 +74,26 @@ def pytest_configure(config: pytest.Config) -> None:
     import dstest.resets
 
     dstest.resets.register("dstest.compat._torch_reset:reset_torch_testing")
-    from dstest.worlds.process.byref import preload_in_fork_server, start_fork_server_reporting
-
-    preload_in_fork_server("dstest.compat._torch_preload")
-    report = os.path.join(tempfile.mkdtemp(prefix="dstest-fork-server-"), "modules.json")
-    config.add_cleanup(lambda: shutil.rmtree(os.path.dirname(report), ignore_errors=True))
-    # imports torch's test bases in its own process while pytest collects, then says what it imported
-    if start_fork_server_reporting(report):
-        config.stash[_IMPORTED_KEY] = (set(sys.modules), report)
 
 
-#: Fewer modules than this imported by collection and not by the fork server (a helper beside the tests) are
-#: not worth a new server: it imports torch again before the first test can start (2-3 s here).
-RESTART_FROM = 50
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Any:
+    """Once a test module is imported, the fork server imports what it imported too (a library besides
+    torch's bases: torchtitan's models, 2.1 s each time), while pytest goes on collecting: once, not once per
+    worker (15 workers for pools of 1, 2, 4 and 8 ranks)."""
+    report = yield
+    if isinstance(collector, pytest.Module):
+        from dstest.compat import _server_feed
 
-
-def collected_imports(before: set[str], server: set[str]) -> list[str]:
-    """The modules imported since ``before`` that the fork server has not imported (``server``), in import
-    order: what every worker would import again at its first test. Not the test modules and conftests
-    (pytest rewrites them, and each worker imports them itself, as rewritten), not pytest's or dstest's
-    own."""
-    names = []
-    for name, module in list(sys.modules.items()):
-        if name in before or name in server or module is None or name == "__main__":
-            continue
-        if type(getattr(module, "__loader__", None)).__name__ == "AssertionRewritingHook":
-            continue
-        path = getattr(module, "__file__", None)
-        if not isinstance(path, str) or path.endswith("conftest.py"):
-            continue
-        if name.partition(".")[0] in ("dstest", "_pytest", "pytest", "pluggy", "py", "_hypothesis_pytestplugin"):
-            continue
-        names.append(name)
-    return names
+        _server_feed.feed(collector.config)
+    return report
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Where the collected test files imported a library besides torch's bases (torchtitan's models: 2.1 s
-    each time), the fork server, started before collection, is replaced by one that imports it too, before
-    the first worker: once, not once per worker (15 workers for pools of 1, 2, 4 and 8 ranks)."""
-    started = session.config.stash.get(_IMPORTED_KEY, None)
-    if started is None or session.config.option.collectonly or not session.items:
-        return
-    before, report = started
-    from dstest.worlds.process.byref import any_pool, read_fork_server_report, restart_fork_server
+    """The collection is done: the fork server imports what is left of it, then serves the first worker."""
+    from dstest.compat import _server_feed
 
-    server = read_fork_server_report(report)
-    if server is None:  # the server did not start here, or failed: leave it be
-        return
-    names = collected_imports(before, server)
-    if len(names) >= RESTART_FROM and not any_pool():  # no worker forked from the server yet
-        restart_fork_server(names)
+    _server_feed.end(session.config)
 
 
 @pytest.hookimpl(trylast=True)

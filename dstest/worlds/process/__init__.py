@@ -36,8 +36,9 @@ than the cap runs cold. A script must start the process world under ``if __name_
 
 Workers are forked from multiprocessing's fork server, which imports torch once (see ``mp_context``):
 a pool of 8 starts in well under a second once that server runs, and a replaced pool costs little. Where
-there is no fork server, workers are spawned. This module imports neither torch nor the target at import
-time; a worker sets its environment (``RANK``, ``OMP_NUM_THREADS``, ...) before it touches torch.
+there is no fork server, workers are spawned. The package imports neither torch nor the target at import
+time (its names are imported when first used); a worker sets its environment (``RANK``,
+``OMP_NUM_THREADS``, ...) before it touches torch.
 
 The package, one module per concern (each imports only those before it in this list):
 
@@ -63,14 +64,17 @@ The package, one module per concern (each imports only those before it in this l
 
 from __future__ import annotations
 
-from dstest.worlds.process.pool_cache import (
-    DEFAULT_MAX_WARM_WORKERS,
-    MAX_WARM_WORKERS_ENV,
-    pool_pids,
-    shutdown_all,
-    warm_worker_cap,
-)
-from dstest.worlds.process.world import ProcessWorld
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dstest.worlds.process.pool_cache import (
+        DEFAULT_MAX_WARM_WORKERS,
+        MAX_WARM_WORKERS_ENV,
+        pool_pids,
+        shutdown_all,
+        warm_worker_cap,
+    )
+    from dstest.worlds.process.world import ProcessWorld
 
 __all__ = [
     "DEFAULT_MAX_WARM_WORKERS",
@@ -80,3 +84,20 @@ __all__ = [
     "shutdown_all",
     "warm_worker_cap",
 ]
+
+# Imported when first asked for, not with the package: a compat plugin starts the fork server through
+# :mod:`~dstest.worlds.process.launch` (the standard library only) before this process imports torch, so
+# that the server imports torch at the same time, on the other core.
+_FROM = {name: "dstest.worlds.process.pool_cache" for name in __all__ if name != "ProcessWorld"}
+_FROM["ProcessWorld"] = "dstest.worlds.process.world"
+
+
+def __getattr__(name: str) -> Any:
+    module = _FROM.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

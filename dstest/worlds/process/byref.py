@@ -13,8 +13,8 @@ name), so the plugin's own rank function must live at module level; what that fu
   :func:`pool_token` whether a run ended with its pool killed or replaced.
 - :func:`preload_in_fork_server` has every worker start with the suite's heavy imports done once, and
   :func:`start_fork_server` starts that server at once, so its imports overlap the plugin's collection
-  (:func:`restart_fork_server` replaces it, before its first worker, by one that also imports what the
-  collection imported);
+  (:func:`start_fork_server_fed` starts one that also imports what :func:`feed_fork_server` names as the
+  collection imports it, until :func:`end_fork_server_feed`);
   :func:`fork_server_preload` lists what it imports, and :func:`fork_server_from_here` makes the server a
   fork of a process that has imported it all already (a warm session, :mod:`dstest.pytest.warm`);
   :func:`replace_after_this_run`, called on a rank, gives the next run fresh processes.
@@ -36,14 +36,14 @@ import sys
 from types import ModuleType
 
 from dstest.worlds.process.launch import (
+    end_fork_server_feed,
+    feed_fork_server,
     fork_server_from_here,
     fork_server_preload,
     free_port,
     preload_in_fork_server,
-    read_fork_server_report,
-    restart_fork_server,
     start_fork_server,
-    start_fork_server_reporting,
+    start_fork_server_fed,
 )
 from dstest.worlds.process.messages import FnRef
 from dstest.worlds.process.state_watch import FreshProcess, close_held_scope, fresh_process, fresh_process_rng
@@ -53,6 +53,8 @@ __all__ = [
     "ModuleRef",
     "any_pool",
     "close_held_scope",
+    "end_fork_server_feed",
+    "feed_fork_server",
     "fork_server_from_here",
     "fork_server_preload",
     "free_port",
@@ -64,11 +66,9 @@ __all__ = [
     "pool_token",
     "preload_in_fork_server",
     "put_path_first",
-    "read_fork_server_report",
     "replace_after_this_run",
-    "restart_fork_server",
     "start_fork_server",
-    "start_fork_server_reporting",
+    "start_fork_server_fed",
 ]
 
 #: How a worker finds a module (or a function in it): ``(module, qualname, path, rewrite_asserts)``, a

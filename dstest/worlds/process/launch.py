@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import sys
-import time
 from typing import Any, NoReturn
 
 
@@ -42,6 +41,7 @@ _PRELOAD = [
 ]
 _CONTEXT: Any = None
 _FORKED_HERE = False  # the fork server is a fork of this process (fork_server_from_here)
+_FEED: str | None = None  # the file this process feeds its fork server's imports through, while it is open
 
 
 def preload_in_fork_server(*modules: str) -> bool:
@@ -112,23 +112,6 @@ def start_fork_server(env: dict[str, str] | None = None) -> bool:
     return True
 
 
-def restart_fork_server(modules: list[str]) -> bool:
-    """Replace a fork server that has not forked a worker yet by one that also imports ``modules`` (in this
-    order; each error passed over, see :mod:`dstest._fork_server_modules`), so that every worker starts with
-    them imported instead of importing them itself. For a pytest session whose collection imported a heavy
-    library the server was started without (the server starts while pytest collects). Returns whether it
-    did: not where no module is named, no fork server is used, or the server is a fork of this process (a
-    warm session's, which has imported what the session imports). Call it before this process's first pool.
-    """
-    if not modules or _FORKED_HERE:
-        return False
-    if _CONTEXT is None or _CONTEXT.get_start_method() != "forkserver":
-        return False
-    stop_fork_server()
-    preload_in_fork_server("dstest._fork_server_modules")
-    return start_fork_server({"DSTEST_FORK_SERVER_MODULES": json.dumps(modules)})
-
-
 def fork_server_pid() -> int | None:
     """The pid of this process's running fork server, or None."""
     from multiprocessing import forkserver
@@ -137,41 +120,50 @@ def fork_server_pid() -> int | None:
     return pid if isinstance(pid, int) else None
 
 
-def start_fork_server_reporting(report: str) -> bool:
-    """:func:`start_fork_server`, the server writing the names of the modules it imported to the file
-    ``report`` once its preloads are done (:mod:`dstest._fork_server_modules`; read it with
-    :func:`read_fork_server_report`). Returns whether this call started a server that will write it: False
-    where no fork server is used or one runs already (a warm session's, a fork of this process)."""
+def start_fork_server_fed(feed: str) -> bool:
+    """:func:`start_fork_server`, the server then importing, after its preloads, the modules this process
+    names with :func:`feed_fork_server` as it goes on (a pytest session: what its collection imports, test
+    module by test module), until :func:`end_fork_server_feed`, which a pool calls before it forks its first
+    worker from the server (:mod:`dstest._fork_server_modules`). ``feed``: a file path of this process's
+    choosing, in a directory it owns, that does not exist yet. Returns whether the server is fed: not where
+    no fork server is used, or one runs already (a warm session's, a fork of this process, which has
+    imported what the session imports)."""
+    global _FEED
     if fork_server_pid() is not None or _FORKED_HERE:
         start_fork_server()
         return False
+    if mp_context().get_start_method() != "forkserver":
+        return False
+    with open(feed, "x", encoding="utf-8"):
+        pass
     preload_in_fork_server("dstest._fork_server_modules")
-    return start_fork_server({"DSTEST_FORK_SERVER_REPORT": report}) and fork_server_pid() is not None
-
-
-def read_fork_server_report(report: str, timeout: float = 60.0) -> set[str] | None:
-    """The modules the server started by :func:`start_fork_server_reporting` imported, once it has written
-    them to ``report``: waited for while the server lives, up to ``timeout`` seconds (a first pool would
-    wait for its imports anyway); None where it never wrote them (it died, or the time ran out)."""
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(report) and time.monotonic() < deadline and _fork_server_alive():
-        time.sleep(0.05)
-    try:
-        with open(report, encoding="utf-8") as f:
-            return set(json.load(f))
-    except (OSError, ValueError):
-        return None
-
-
-def _fork_server_alive() -> bool:
-    pid = fork_server_pid()
-    if pid is None:
+    if not start_fork_server({"DSTEST_FORK_SERVER_FEED": feed}) or fork_server_pid() is None:
         return False
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
+    _FEED = feed
     return True
+
+
+def feed_fork_server(modules: list[str]) -> bool:
+    """Have the fed fork server (:func:`start_fork_server_fed`) import ``modules`` too, in this order, with
+    this process's ``sys.path`` of now; those it has imported already are passed over. Returns whether the
+    feed is open (False, doing nothing, once it has ended or where the server is not fed)."""
+    if _FEED is None:
+        return False
+    if modules:
+        line = json.dumps({"path": [p for p in sys.path if isinstance(p, str)], "modules": list(modules)})
+        with open(_FEED, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    return True
+
+
+def end_fork_server_feed() -> None:
+    """End the fed server's feed: once it has imported what the feed named, it serves workers."""
+    global _FEED
+    feed, _FEED = _FEED, None
+    if feed is None:
+        return
+    with contextlib.suppress(OSError), open(feed, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"done": True}) + "\n")
 
 
 def stop_fork_server() -> None:
@@ -181,6 +173,7 @@ def stop_fork_server() -> None:
     machine (long enough for pytest-xdist to interrupt its worker's shutdown). It holds no state.
     """
     global _CONTEXT
+    end_fork_server_feed()
     if _CONTEXT is None or _CONTEXT.get_start_method() != "forkserver":
         return
     _CONTEXT = None

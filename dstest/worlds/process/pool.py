@@ -26,7 +26,13 @@ from dstest.worlds.core.faults import Killed, not_fired_error, not_fired_note
 from dstest.worlds.process import board
 from dstest.worlds.process.gather import FAILURE_GRACE, Gathering
 from dstest.worlds.process.handle import WorkerHandle
-from dstest.worlds.process.launch import free_port, mp_context, start_fork_server, threads_per_rank
+from dstest.worlds.process.launch import (
+    end_fork_server_feed,
+    free_port,
+    mp_context,
+    start_fork_server,
+    threads_per_rank,
+)
 from dstest.worlds.process.messages import STOP, Command, FnRef, PoolKey, Reply, WorkerConfig
 from dstest.worlds.process.reports import (
     fault_note,
@@ -80,6 +86,7 @@ class Pool:
             else:
                 configs = [dataclasses.replace(cfg, board_path=path) for cfg in configs]
         self.started_at = time.monotonic()
+        end_fork_server_feed()  # a fed server imports what it was fed, then serves this pool's workers
         start_fork_server()  # here, not on the launcher thread: it sets an environment variable for a moment
         # Launching blocks while a fresh fork server imports torch; do it off the caller's thread.
         self.launcher = threading.Thread(target=self._launch, args=(configs,), name="dstest-pool-launch", daemon=True)
