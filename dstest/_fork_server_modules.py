@@ -11,9 +11,13 @@ while pytest collects, and every worker starts with it imported.
 - A module that fails to import here (any error: the server must not die of a module that expects a rank's
   environment) is passed over; the test that needs it imports it on its rank, and reports what fails, as
   before.
-- The server stops following the feed at its last line, at a line it cannot read, or when the session that
-  started it has gone (it is then no longer the server's parent). A session ends the feed before it forks
-  its first worker from the server, which waits for the server's preloads to end.
+- A module whose import initialized CUDA in the server (a helper that asks for a device's capability at
+  import) would leave every worker forked from it unable to use CUDA: the server stops there, and says so.
+- The server stops following the feed at its last line, at a line it cannot read, at such a module, or when
+  the session that started it has gone (it is then no longer the server's parent). It then writes
+  ``{"cuda": name}`` to the file named like the feed with ``.end`` added (``name`` the module that
+  initialized CUDA, else null). A session ends the feed, and reads that file, before it forks its first
+  worker from the server (:func:`dstest.worlds.process.launch.settle_fork_server`).
 """
 
 import importlib
@@ -27,18 +31,33 @@ FEED_VAR = "DSTEST_FORK_SERVER_FEED"
 POLL_S = 0.01
 
 
-def _import_all(names: list[str]) -> None:
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    try:
+        return bool(cuda.is_initialized()) if cuda is not None else False
+    except Exception:
+        return False
+
+
+def _import_all(names: list[str]) -> str | None:
+    """Import ``names`` (passing over errors); the first that initialized CUDA, where one did (the rest are
+    then not imported)."""
     for name in names:
         if name in sys.modules:
             continue
         try:
             importlib.import_module(name)
         except (Exception, SystemExit):
-            continue
+            pass
+        if _cuda_initialized():
+            return name
+    return None
 
 
-def follow(feed: str) -> None:
-    """Import what the lines of ``feed`` name, as they are appended, until its last line."""
+def follow(feed: str) -> str | None:
+    """Import what the lines of ``feed`` name, as they are appended, until its last line; the module whose
+    import initialized CUDA, where one did (the server then stops following)."""
     parent = os.getppid()
     pending = ""
     with open(feed, encoding="utf-8") as f:
@@ -50,21 +69,34 @@ def follow(feed: str) -> None:
                 try:
                     entry = json.loads(line)
                     if entry.get("done"):
-                        return
+                        return None
                     path, names = list(entry["path"]), list(entry["modules"])
                 except (ValueError, TypeError, KeyError, AttributeError):
-                    return
+                    return None
                 sys.path[:] = [str(p) for p in path]
-                _import_all([str(n) for n in names])
+                cuda = _import_all([str(n) for n in names])
+                if cuda is not None:
+                    return cuda
             if not chunk:
                 if os.getppid() != parent:
-                    return
+                    return None
                 time.sleep(POLL_S)
+
+
+def _end(feed: str, cuda: str | None) -> None:
+    try:
+        with open(feed + ".end.tmp", "w", encoding="utf-8") as f:
+            json.dump({"cuda": cuda}, f)
+        os.replace(feed + ".end.tmp", feed + ".end")
+    except OSError:
+        pass
 
 
 _feed = os.environ.pop(FEED_VAR, None)
 if _feed:
+    _cuda = None
     try:
-        follow(_feed)
+        _cuda = follow(_feed)
     except OSError:
         pass
+    _end(_feed, _cuda)

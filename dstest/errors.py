@@ -12,6 +12,7 @@ __all__ = [
     "Deviation",
     "DstestError",
     "FaultNotFired",
+    "ForkServerSkipped",
     "InvalidArgument",
     "InvalidSpec",
     "InvalidWorldSize",
@@ -115,6 +116,24 @@ class StateLeftBehind(UserWarning):
     """A run changed module-level state of a watched package in a warm worker (``RunRequest.watch_modules``):
     a fresh process would not have seen it in the next test. dstest put it back; the message names each
     ``module.name`` and what was done. A finding about the code under test, not a failure."""
+
+
+class ForkServerSkipped(UserWarning):
+    """A module the session's collection imported initialized CUDA when the process world's fork server
+    imported it too (:mod:`dstest._fork_server_modules`). Workers forked from a process that initialized CUDA
+    cannot use it, so the server was started again with its own preloads only, and each worker imports that
+    module (and what the collection imported after it) at its first test, as before. A finding about the
+    module: it asks for a device when imported, not when used."""
+
+    def __init__(self, module: str) -> None:
+        self.module = module
+        super().__init__(
+            f"importing {module} initialized CUDA, in the process world's fork server as in this process: workers "
+            "forked from a process that initialized CUDA cannot use it, so the server was started again without "
+            f"the modules the collection imported, and each worker imports {module} itself (seconds per worker "
+            "for a large library). A module that asks for a device when it is imported (a device capability, a "
+            "tensor on the GPU) can defer that to its first use."
+        )
 
 
 class FaultNotFired(DstestError, AssertionError):

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,6 +72,34 @@ def test_the_server_imports_what_is_fed_as_it_comes_until_the_last_line(tmp_path
         proc.kill()
     assert proc.returncode == 0, err
     assert json.loads(out) == ["fed_a", "fed_b"], err
+    assert json.loads((tmp_path / "feed.end").read_text()) == {"cuda": None}
+
+
+CUDA_AT_IMPORT = """
+import torch
+
+torch.cuda.is_initialized = lambda: True  # as if this import had asked for a device's capability
+"""
+
+
+def test_the_server_stops_at_a_module_whose_import_initialized_cuda_and_names_it(tmp_path: Path) -> None:
+    """Workers forked from a process that initialized CUDA cannot use it: the server imports nothing after
+    such a module and names it in the feed's end file, without waiting for the feed's last line."""
+    libs = tmp_path / "libs"
+    libs.mkdir()
+    for name in ("fed_a", "fed_c"):
+        _module(libs, name)
+    (libs / "fed_cuda.py").write_text(CUDA_AT_IMPORT)
+    feed = tmp_path / "feed"
+    feed.write_text(_line([str(libs), *sys.path], ["fed_a", "fed_cuda", "fed_c"]))
+    proc = _follower(feed)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert json.loads(out) == ["fed_a", "fed_cuda"], err
+    assert json.loads((tmp_path / "feed.end").read_text()) == {"cuda": "fed_cuda"}
 
 
 @pytest.mark.parametrize("ending", ["garbled", "parent-gone"])
@@ -101,14 +130,16 @@ import json
 import os
 import sys
 import tempfile
+import warnings
 
 from dstest.worlds.process import launch
 
 
 def where(ctx):
     import fed_lib
+    import torch
 
-    return [fed_lib.IMPORTED_IN, os.getpid()]
+    return [fed_lib.IMPORTED_IN, os.getpid(), torch.cuda.is_initialized()]
 
 
 if __name__ == "__main__":
@@ -116,33 +147,54 @@ if __name__ == "__main__":
     sys.path.insert(0, {libs!r})
     import fed_lib
 
-    assert launch.feed_fork_server(["fed_lib"])
+    assert launch.feed_fork_server({fed!r})
     from dstest.worlds.process import ProcessWorld, shutdown_all
     from dstest.worlds.request import RunRequest
 
-    seen = ProcessWorld().run(RunRequest(where, 2, timeout=60))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seen = ProcessWorld().run(RunRequest(where, 2, timeout=60))
     fed_after = launch.feed_fork_server(["json"])
     shutdown_all()
-    print(json.dumps({{"seen": seen, "fed_after": fed_after}}))
+    told = [str(w.message) for w in caught if type(w.message).__name__ == "ForkServerSkipped"]
+    print(json.dumps({{"seen": seen, "fed_after": fed_after, "told": told}}))
 """
+
+
+def _fed_script(tmp_path: Path, fed: list[str]) -> dict[str, Any]:
+    libs = tmp_path / "libs"
+    libs.mkdir()
+    _module(libs, "fed_lib")
+    (libs / "fed_cuda.py").write_text(CUDA_AT_IMPORT)
+    script = tmp_path / "fed_script.py"
+    script.write_text(textwrap.dedent(SCRIPT.format(libs=str(libs), fed=fed)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["fed_after"] is False  # the pool ended the feed: later feeding does nothing
+    assert len(report["seen"]) == 2
+    return report
 
 
 def test_a_feed_the_session_never_ended_is_ended_by_the_first_pool(tmp_path: Path) -> None:
     """A process that feeds its server and forks workers from it without ending the feed: the pool ends it,
     so the server serves (it does not wait for a last line), and every worker starts with the fed module
-    imported by the server; later feeding does nothing."""
-    libs = tmp_path / "libs"
-    libs.mkdir()
-    _module(libs, "fed_lib")
-    script = tmp_path / "fed_script.py"
-    script.write_text(textwrap.dedent(SCRIPT.format(libs=str(libs))))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["fed_after"] is False
-    assert len(report["seen"]) == 2
-    assert all(imported != pid for imported, pid in report["seen"]), report  # the server imported it
+    imported by the server."""
+    report = _fed_script(tmp_path, ["fed_lib"])
+    assert all(imported != pid for imported, pid, _ in report["seen"]), report  # the server imported it
+    assert report["told"] == []
+
+
+def test_a_server_a_fed_module_initialized_cuda_in_is_replaced_and_the_module_named(tmp_path: Path) -> None:
+    """A fed module initialized CUDA in the server: before the first worker, the server is replaced by one
+    that imports its preloads only (the run's workers can use CUDA), the module is named in a warning, and
+    each worker imports what the collection imported itself, as without the feed."""
+    report = _fed_script(tmp_path, ["fed_cuda", "fed_lib"])
+    assert all(imported == pid for imported, pid, _ in report["seen"]), report  # each worker imported it
+    assert not any(cuda for _, _, cuda in report["seen"]), report  # forked from a server without fed_cuda
+    (told,) = report["told"]
+    assert told.startswith("importing fed_cuda initialized CUDA, in the process world's fork server"), told
 
 
 def test_what_a_worker_would_import_again_is_fed_in_import_order(

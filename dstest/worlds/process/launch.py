@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from typing import Any, NoReturn
 
 
@@ -42,6 +43,7 @@ _PRELOAD = [
 _CONTEXT: Any = None
 _FORKED_HERE = False  # the fork server is a fork of this process (fork_server_from_here)
 _FEED: str | None = None  # the file this process feeds its fork server's imports through, while it is open
+_UNSETTLED: str | None = None  # that file, until settle_fork_server has read how the server's feed ended
 
 
 def preload_in_fork_server(*modules: str) -> bool:
@@ -139,7 +141,8 @@ def start_fork_server_fed(feed: str) -> bool:
     preload_in_fork_server("dstest._fork_server_modules")
     if not start_fork_server({"DSTEST_FORK_SERVER_FEED": feed}) or fork_server_pid() is None:
         return False
-    _FEED = feed
+    global _UNSETTLED
+    _FEED = _UNSETTLED = feed
     return True
 
 
@@ -164,6 +167,55 @@ def end_fork_server_feed() -> None:
         return
     with contextlib.suppress(OSError), open(feed, "a", encoding="utf-8") as f:
         f.write(json.dumps({"done": True}) + "\n")
+
+
+#: How long :func:`settle_fork_server` waits for a fed server to end its imports (a first worker would wait
+#: as long for the server to serve it).
+SETTLE_TIMEOUT_S = 300.0
+
+
+def settle_fork_server(timeout: float = SETTLE_TIMEOUT_S) -> str | None:
+    """Before the first worker is forked from a fed server: end its feed and wait until it has imported what
+    it was fed. Where a fed module initialized CUDA in the server (every worker forked from it could not use
+    CUDA), the server is replaced by one that imports its preloads only, and that module's name returned
+    (each worker imports it itself, as without the feed); else None. Does nothing after its first call or
+    where the server is not fed."""
+    global _UNSETTLED
+    end_fork_server_feed()
+    feed, _UNSETTLED = _UNSETTLED, None
+    if feed is None:
+        return None
+    end = feed + ".end"
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(end) and time.monotonic() < deadline and _fork_server_alive():
+        time.sleep(0.01)
+    try:
+        with open(end, encoding="utf-8") as f:
+            cuda = json.load(f).get("cuda")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(cuda, str):
+        return None
+    stop_fork_server()
+    start_fork_server()
+    return cuda
+
+
+def _fork_server_alive() -> bool:
+    """Whether the server runs: not where it has exited, though not reaped yet (multiprocessing reaps it)."""
+    pid = fork_server_pid()
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rpartition(")")[2].split()[:1] != ["Z"]
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
 
 
 def stop_fork_server() -> None:

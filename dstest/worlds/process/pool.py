@@ -16,20 +16,21 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from multiprocessing.connection import wait
 from typing import Any
 
 import dstest.trace as _trace
-from dstest.errors import InvalidArgument, RankFailure, WorkerDied
+from dstest.errors import ForkServerSkipped, InvalidArgument, RankFailure, WorkerDied
 from dstest.resets import registered as registered_resets
 from dstest.worlds.core.faults import Killed, not_fired_error, not_fired_note
 from dstest.worlds.process import board
 from dstest.worlds.process.gather import FAILURE_GRACE, Gathering
 from dstest.worlds.process.handle import WorkerHandle
 from dstest.worlds.process.launch import (
-    end_fork_server_feed,
     free_port,
     mp_context,
+    settle_fork_server,
     start_fork_server,
     threads_per_rank,
 )
@@ -86,7 +87,9 @@ class Pool:
             else:
                 configs = [dataclasses.replace(cfg, board_path=path) for cfg in configs]
         self.started_at = time.monotonic()
-        end_fork_server_feed()  # a fed server imports what it was fed, then serves this pool's workers
+        cuda = settle_fork_server()  # a fed server imports what it was fed, then serves this pool's workers
+        if cuda is not None:
+            warnings.warn(ForkServerSkipped(cuda), stacklevel=2)
         start_fork_server()  # here, not on the launcher thread: it sets an environment variable for a moment
         # Launching blocks while a fresh fork server imports torch; do it off the caller's thread.
         self.launcher = threading.Thread(target=self._launch, args=(configs,), name="dstest-pool-launch", daemon=True)
