@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -875,3 +878,39 @@ def test_a_running_fork_server_is_not_fed(tmp_path: Path) -> None:
     assert launch.start_fork_server_fed(str(feed)) is False
     assert launch.feed_fork_server(["json"]) is False
     assert not feed.exists()
+
+
+def test_a_warm_rerun_starts_its_workers_with_what_the_collection_imported(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``--dstest-warm``: the warm server imports what the cold run fed its fork server, so that a forked
+    run's workers start with the test file's library imported (by the warm server, before the forks), as the
+    cold run's did, instead of importing it in every worker."""
+    warm_dir = tmp_path_factory.mktemp("warm")
+    os.chmod(warm_dir, 0o700)
+    monkeypatch.setenv("DSTEST_WARM_DIR", str(warm_dir))
+    monkeypatch.setenv("DSTEST_WARM_IDLE", "120")
+    where = pytester.path / "where"
+    where.mkdir()
+    monkeypatch.setenv("WHERE_DIR", str(where))
+    _library(pytester.path, "libwarm", 3)
+    pytester.makepyfile(test_preload=PRELOAD_SUITE.format(lib="libwarm"))
+    try:
+        runs = []
+        for attempt in range(2):
+            result, verdicts = _run(pytester, "--dstest-warm")
+            assert verdicts == {"test_where_the_library_was_imported": "passed"}, result.stdout.str()[-4000:]
+            header = next((line for line in result.outlines if line.startswith("dstest warm:")), "")
+            runs.append((header, [p.read_text().split() for p in sorted(where.iterdir())]))
+            if attempt == 0:
+                deadline = time.monotonic() + 180
+                while not list(warm_dir.glob("*.sock")) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+    finally:
+        subprocess.run([sys.executable, "-m", "dstest.pytest.warm", "--stop"], capture_output=True, timeout=60)
+    (cold_header, cold), (warm_header, warm) = runs
+    assert cold_header.startswith("dstest warm: cold run"), cold_header
+    assert warm_header.startswith("dstest warm: forked from a warm server"), warm_header
+    for seen in (cold, warm):
+        assert len(seen) == 2 and all(imported != pid for imported, pid, _ in seen), runs
+    assert warm[0][0] == warm[1][0], runs  # one import, before both ranks were forked

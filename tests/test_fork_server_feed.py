@@ -157,7 +157,8 @@ if __name__ == "__main__":
     fed_after = launch.feed_fork_server(["json"])
     shutdown_all()
     told = [str(w.message) for w in caught if type(w.message).__name__ == "ForkServerSkipped"]
-    print(json.dumps({{"seen": seen, "fed_after": fed_after, "told": told}}))
+    preload = launch.fork_server_preload()
+    print(json.dumps({{"seen": seen, "fed_after": fed_after, "told": told, "preload": preload}}))
 """
 
 
@@ -184,6 +185,7 @@ def test_a_feed_the_session_never_ended_is_ended_by_the_first_pool(tmp_path: Pat
     report = _fed_script(tmp_path, ["fed_lib"])
     assert all(imported != pid for imported, pid, _ in report["seen"]), report  # the server imported it
     assert report["told"] == []
+    assert report["preload"][-1] == "fed_lib", report  # what a warm server of this session would import
 
 
 def test_a_server_a_fed_module_initialized_cuda_in_is_replaced_and_the_module_named(tmp_path: Path) -> None:
@@ -195,6 +197,7 @@ def test_a_server_a_fed_module_initialized_cuda_in_is_replaced_and_the_module_na
     assert not any(cuda for _, _, cuda in report["seen"]), report  # forked from a server without fed_cuda
     (told,) = report["told"]
     assert told.startswith("importing fed_cuda initialized CUDA, in the process world's fork server"), told
+    assert "fed_cuda" not in report["preload"] and "fed_lib" not in report["preload"], report
 
 
 def test_what_a_worker_would_import_again_is_fed_in_import_order(

@@ -137,6 +137,36 @@ def test_f3_a_changed_source_file_makes_the_run_cold_and_current(project) -> Non
     again.assert_outcomes(passed=2)
 
 
+CUDA_IN_THE_SERVER = """
+import sys
+
+import torch
+
+_main = getattr(sys.modules.get("__main__"), "__spec__", None)
+if _main is not None and _main.name.startswith("dstest.pytest.warm"):  # in the warm server only
+    torch.cuda.is_initialized = lambda: True  # as if this import had asked for a device's capability
+VALUE = 1
+"""
+
+
+def test_f3_a_server_whose_preload_initialized_cuda_does_not_serve(project) -> None:
+    """A session forked from a process that initialized CUDA could not use it: a warm server whose imports
+    did (here ``mylib``, in the server only) says so in its log and serves no run; the next run is cold."""
+    pytester, warm_dir = project
+    (pytester.path / "lib" / "mylib.py").write_text(CUDA_IN_THE_SERVER)
+    _run(pytester, "-k", "library").assert_outcomes(passed=2)
+    deadline = time.monotonic() + 180
+    logs = ""
+    while "not serving" not in logs and time.monotonic() < deadline:
+        time.sleep(0.2)
+        logs = "\n".join(p.read_text() for p in warm_dir.glob("*.log"))
+    assert "warm server: importing the preload initialized CUDA; not serving" in logs, logs
+    assert not list(warm_dir.glob("*.sock")), logs
+    again = _run(pytester, "-k", "library")
+    assert COLD in _header(again), again.outlines[:12]
+    again.assert_outcomes(passed=2)
+
+
 def test_f3_without_the_option_nothing_is_started(project) -> None:
     pytester, warm_dir = project
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "agree", timeout=240)

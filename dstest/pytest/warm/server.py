@@ -47,6 +47,9 @@ def serve(spec_path: str) -> int:
     if threading.active_count() != 1:
         print(f"warm server: importing the preload started threads {threading.enumerate()}; not serving", flush=True)
         return 1
+    if _cuda_initialized():  # a session forked from this process could not use CUDA
+        print("warm server: importing the preload initialized CUDA; not serving", flush=True)
+        return 1
     taking = time.monotonic()
     sources = Sources.take(
         imported_files(),
@@ -76,6 +79,14 @@ def serve(spec_path: str) -> int:
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch.cuda.is_initialized()) if torch is not None else False
+    except Exception:
+        return False
 
 
 def _preload(spec: dict[str, Any]) -> str | None:

@@ -44,6 +44,8 @@ _CONTEXT: Any = None
 _FORKED_HERE = False  # the fork server is a fork of this process (fork_server_from_here)
 _FEED: str | None = None  # the file this process feeds its fork server's imports through, while it is open
 _UNSETTLED: str | None = None  # that file, until settle_fork_server has read how the server's feed ended
+_FED: list[str] = []  # the modules fed to this process's fork server, in order (fork_server_preload lists them)
+_FED_FROM: str | None = None  # the feed they went through (its end file says where the server stopped)
 
 
 def preload_in_fork_server(*modules: str) -> bool:
@@ -70,8 +72,16 @@ def preload_in_fork_server(*modules: str) -> bool:
 
 
 def fork_server_preload() -> list[str]:
-    """The modules the fork server imports (or imported, once started), in order."""
-    return list(_PRELOAD)
+    """The modules the fork server imports (or imported, once started), in order: its preloads, then those it
+    was fed (:func:`feed_fork_server`), up to one whose import initialized CUDA there, where one did (a warm
+    server imports the same, so that its sessions, and their workers, start with them)."""
+    fed = list(_FED)
+    if _FED_FROM is not None:
+        with contextlib.suppress(OSError, ValueError, AttributeError), open(_FED_FROM + ".end", encoding="utf-8") as f:
+            cuda = json.load(f).get("cuda")
+            if cuda in fed:
+                fed = fed[: fed.index(cuda)]
+    return list(_PRELOAD) + [name for name in fed if name not in _PRELOAD]
 
 
 def mp_context() -> Any:
@@ -141,8 +151,8 @@ def start_fork_server_fed(feed: str) -> bool:
     preload_in_fork_server("dstest._fork_server_modules")
     if not start_fork_server({"DSTEST_FORK_SERVER_FEED": feed}) or fork_server_pid() is None:
         return False
-    global _UNSETTLED
-    _FEED = _UNSETTLED = feed
+    global _UNSETTLED, _FED_FROM
+    _FEED = _UNSETTLED = _FED_FROM = feed
     return True
 
 
@@ -153,6 +163,7 @@ def feed_fork_server(modules: list[str]) -> bool:
     if _FEED is None:
         return False
     if modules:
+        _FED.extend(name for name in modules if name not in _FED)
         line = json.dumps({"path": [p for p in sys.path if isinstance(p, str)], "modules": list(modules)})
         with open(_FEED, "a", encoding="utf-8") as f:
             f.write(line + "\n")
