@@ -305,3 +305,58 @@ def test_a_forked_child_holds_no_claim_of_its_parents(monkeypatch: pytest.Monkey
     os.waitpid(pid, 0)
     assert os.read(read, 8) == b"none"
     os.close(read)
+
+
+_CHILD_CPUS = "import os, sys; print(sorted(os.sched_getaffinity(0)))"
+
+
+def _cpus_from_child_fork(out: Any) -> None:
+    out.put(sorted(os.sched_getaffinity(0)))
+
+
+def _started_processes(ctx: Any, tmp: str) -> dict[str, Any]:
+    """The CPUs of processes this rank starts, each way a library starts one, and its own CPUs after each."""
+    import multiprocessing
+    import subprocess
+
+    seen: dict[str, Any] = {}
+    mine: list[frozenset[int]] = []
+    proc = subprocess.run([sys.executable, "-c", _CHILD_CPUS], capture_output=True, text=True, check=True)
+    seen["subprocess"] = eval(proc.stdout)
+    mine.append(frozenset(os.sched_getaffinity(0)))
+    path = os.path.join(tmp, f"system{ctx.rank}")
+    assert os.system(f"{sys.executable} -c '{_CHILD_CPUS}' > {path}") == 0
+    with open(path) as f:
+        seen["os.system"] = eval(f.read())
+    mine.append(frozenset(os.sched_getaffinity(0)))
+    with subprocess.Popen([sys.executable, "-c", _CHILD_CPUS], stdout=subprocess.PIPE, text=True, close_fds=False) as p:
+        seen["posix_spawn"] = eval(p.communicate()[0])  # close_fds=False: subprocess may use posix_spawn
+    mine.append(frozenset(os.sched_getaffinity(0)))
+    for method in ("fork", "spawn"):
+        mp = multiprocessing.get_context(method)
+        out = mp.SimpleQueue()
+        child = mp.Process(target=_cpus_from_child_fork, args=(out,))
+        child.start()
+        seen[method] = out.get()
+        child.join()
+        mine.append(frozenset(os.sched_getaffinity(0)))
+    seen["mine"] = sorted(set().union(*mine)) if len(set(mine)) == 1 else [sorted(m) for m in mine]
+    return seen
+
+
+@pytest.mark.skipif(len(OWN) < 2, reason="needs two CPUs to tell one CPU from all")
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_on_one_cpu_the_processes_a_rank_starts_get_every_cpu_and_the_rank_stays_on_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, warm: bool
+) -> None:
+    """A process inherits the CPUs of the thread that starts it: on one CPU, a rank's ``subprocess`` (fork_exec
+    and posix_spawn), ``os.system`` and multiprocessing's fork and spawn children run on every CPU the caller
+    had, as on any CPU, and the rank thread is back on its one CPU after each."""
+    monkeypatch.setenv(cpus.ENV_RANK_CPUS, "one")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a process with threads (Python 3.12+)
+        seen = ThreadedWorld(warm=warm).run(RunRequest(_started_processes, 2, args=(str(tmp_path),)))
+    for rank_seen in seen:
+        mine = rank_seen.pop("mine")
+        assert len(mine) == 1, mine  # one CPU, the same after every start
+        assert rank_seen == {k: sorted(OWN) for k in rank_seen}, rank_seen

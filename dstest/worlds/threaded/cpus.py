@@ -13,24 +13,29 @@ large matmuls on four ranks ran 2x slower without that, 0.92x with it. So it is 
 With ``one``, each process claims one CPU for its rank threads, for its life (:func:`choose`): one that no
 other process of the user claimed, so that pytest-xdist's workers each get their own; the caller's thread is
 held on it for each run and given its own CPUs back after.
-Threads a rank starts inherit its CPU (and so do processes it starts: ``subprocess`` children run on that one
-CPU too). Where threads cannot be pinned (not Linux), ``one`` changes nothing.
+Threads a rank starts inherit its CPU. Processes it starts do not: a process inherits the CPUs of the thread
+that starts it, so while a pinned thread starts one (``subprocess``, ``os.system``, ``os.posix_spawn``,
+multiprocessing's fork, spawn and fork server, a DataLoader's or torch.compile's workers), the thread is given
+back the CPUs it had before it was pinned, and pinned again once the process is started
+(:func:`children_unpinned`; the hooks are installed when ``one`` is first chosen). Where threads cannot be
+pinned (not Linux), ``one`` changes nothing.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from dstest.errors import InvalidArgument
 
-__all__ = ["ENV_RANK_CPUS", "choose", "held_on", "mode", "own", "pin", "start_intra_op_threads"]
+__all__ = ["ENV_RANK_CPUS", "children_unpinned", "choose", "held_on", "mode", "own", "pin", "start_intra_op_threads"]
 
 ENV_RANK_CPUS = "DSTEST_RANK_CPUS"
 _MODES = ("any", "one")
@@ -114,6 +119,7 @@ def choose() -> int | None:
             _claimed = None
         here = _current_cpu()
         here = here if here in allowed else min(allowed)
+        _install_child_hooks()
         for cpu in [here, *sorted(allowed - {here})]:
             handle = _claim(cpu)
             if handle is not None:
@@ -121,6 +127,84 @@ def choose() -> int | None:
                 atexit.register(handle.close)
                 return cpu
         return here
+
+
+#: Per thread: the CPUs the processes it starts get while dstest holds it on one CPU (None: it is not held).
+_for_children = threading.local()
+
+
+@contextlib.contextmanager
+def children_unpinned() -> Iterator[None]:
+    """For the block, the calling thread on the CPUs it had before dstest pinned it, where it is pinned: a
+    process started in the block inherits those, not the one CPU."""
+    cpus: set[int] | None = getattr(_for_children, "cpus", None)
+    if cpus is None:
+        yield
+        return
+    mine = os.sched_getaffinity(0)
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, mine)
+
+
+def _unpinned(start: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(start)
+    def starting_a_process(*args: Any, **kwargs: Any) -> Any:
+        with children_unpinned():
+            return start(*args, **kwargs)
+
+    starting_a_process.__dstest_unpinned__ = start  # type: ignore[attr-defined]
+    return starting_a_process
+
+
+_hooks_installed = False
+
+
+def _install_child_hooks() -> None:
+    """Wrap the standard library's ways of starting a process (those that run no Python fork hook) in
+    :func:`children_unpinned`, and give ``os.fork`` a hook that does the same; once per process."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    import subprocess
+
+    targets: list[tuple[Any, str]] = [
+        (subprocess, "_fork_exec"),
+        (os, "posix_spawn"),
+        (os, "posix_spawnp"),
+        (os, "system"),
+    ]
+    with contextlib.suppress(ImportError):  # POSIX only
+        import _posixsubprocess
+
+        targets.append((_posixsubprocess, "fork_exec"))  # multiprocessing's spawn and fork server
+    for owner, name in targets:
+        start = getattr(owner, name, None)
+        if callable(start) and not hasattr(start, "__dstest_unpinned__"):
+            setattr(owner, name, _unpinned(start))
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(before=_before_fork, after_in_parent=_after_fork)
+
+
+def _before_fork() -> None:
+    cpus: set[int] | None = getattr(_for_children, "cpus", None)
+    if cpus is not None:
+        _for_children.held = os.sched_getaffinity(0)
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, cpus)
+
+
+def _after_fork() -> None:
+    held: set[int] | None = getattr(_for_children, "held", None)
+    if held is not None:
+        _for_children.held = None
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, held)
 
 
 #: Worlds of up to this many ranks start each rank thread's intra-op threads before it is pinned
@@ -155,11 +239,14 @@ def own() -> set[int] | None:
     return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
 
 
-def pin(cpu: int | None) -> None:
-    """Hold the calling thread on ``cpu`` (None: leave it where it may run)."""
+def pin(cpu: int | None, children: set[int] | None = None) -> None:
+    """Hold the calling thread on ``cpu`` (None: leave it where it may run); the processes it starts get
+    ``children`` (default: the CPUs it had)."""
     if cpu is not None:
+        before = own() if children is None else children
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, {cpu})
+        _for_children.cpus = before
 
 
 @contextlib.contextmanager
@@ -171,9 +258,11 @@ def held_on(cpu: int | None, then: set[int] | None = None) -> Iterator[None]:
         yield
         return
     after = os.sched_getaffinity(0) if then is None else then
-    pin(cpu)
+    outer = getattr(_for_children, "cpus", None)
+    pin(cpu, children=outer if outer is not None else then)  # a new rank thread's: its caller's own CPUs
     try:
         yield
     finally:
+        _for_children.cpus = outer
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, after)

@@ -108,7 +108,7 @@ class WarmCrew:
     def _main(self, rank: int) -> None:
         ranks.batch_scheduling()
         cpus.start_intra_op_threads(self.cpu, self._callers_cpus, self.world_size)
-        cpus.pin(self.cpu)
+        cpus.pin(self.cpu, children=self._callers_cpus)  # the processes a rank starts get the caller's CPUs
         try:
             with rank_process_group(self._c10d, self.rendezvous, rank, self.device, timedelta(days=1)):
                 self._defaults[rank] = dist.group.WORLD
