@@ -16,7 +16,9 @@ Two questions, the goals of issue 44:
   ``--rounds`` runs forked from it; the median of those is the figure. Each file from its own directory, as
   torch's ``run_test.py`` runs it.
 - **torchtitan's unit tests on torch's bases, one pytest run** (its 9 files that use them, from its checkout's
-  root): upstream against one cold run of the plugin (``-p dstest.compat.torch``).
+  root): upstream against one cold run of the plugin (``-p dstest.compat.torch``), the goal's figure; then,
+  reported beside it, a developer's reruns as for torch's file (one cold ``--dstest-warm`` run, ``--rounds``
+  forked runs, their median). Every run's verdicts count in the comparison.
 
 Each side's verdict per item (from its JUnit XML) is compared: a faster run with other verdicts is not a
 figure, and the JSON says how many differ. The sides run one after the other; the load average before each
@@ -90,25 +92,33 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _warm_runs(
+    cwd: Path, args: list[str], work: Path, tag: str, rounds: int, timeout: float
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """With ``--dstest-warm``: one cold run (it starts the warm server), then ``rounds`` runs forked from it."""
+    warm_dir = Path(tempfile.mkdtemp(prefix="warm-", dir=work))
+    os.chmod(warm_dir, 0o700)
+    env = _env(DSTEST_WARM_DIR=str(warm_dir))
+    plugin = ["-p", "dstest.compat.torch", "--dstest-warm", *args]
+    try:
+        cold = _pytest(cwd, plugin, work / f"{tag}-cold.xml", env, timeout)
+        deadline = time.monotonic() + 300
+        while not list(warm_dir.glob("*.sock")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2.0)  # the socket is there once the server has imported; a pause for the cold run's leftovers
+        warm = [_pytest(cwd, plugin, work / f"{tag}-warm{i}.xml", env, timeout) for i in range(rounds)]
+    finally:
+        subprocess.run([*PYTHON, "-m", "dstest.pytest.warm", "--stop"], env=env, capture_output=True, timeout=60)
+    return cold, warm
+
+
 def torch_small_file(root: Path, rounds: int, work: Path) -> dict[str, Any]:
     path = root / TORCH_FILE
     if not path.is_file():
         return {"measured": False, "why": f"{path} is not there"}
     cwd, name = path.parent, path.name
     upstream = _pytest(cwd, ["-p", "no:dstest", name], work / "torch-upstream.xml", _env(), 1800)
-    warm_dir = Path(tempfile.mkdtemp(prefix="warm-", dir=work))
-    os.chmod(warm_dir, 0o700)
-    env = _env(DSTEST_WARM_DIR=str(warm_dir))
-    plugin = ["-p", "dstest.compat.torch", "--dstest-warm", name]
-    try:
-        cold = _pytest(cwd, plugin, work / "torch-cold.xml", env, 900)
-        deadline = time.monotonic() + 300
-        while not list(warm_dir.glob("*.sock")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(2.0)  # the socket is there once the server has imported; a pause for the cold run's leftovers
-        warm = [_pytest(cwd, plugin, work / f"torch-warm{i}.xml", env, 900) for i in range(rounds)]
-    finally:
-        subprocess.run([*PYTHON, "-m", "dstest.pytest.warm", "--stop"], env=env, capture_output=True, timeout=60)
+    cold, warm = _warm_runs(cwd, [name], work, "torch", rounds, 900)
     forked = sum(FORKED in w["output"] for w in warm)
     median = statistics.median(w["seconds"] for w in warm)
     differ = sorted({k for run in (cold, *warm) for k in _differ(upstream["verdicts"], run["verdicts"])})
@@ -120,17 +130,25 @@ def torch_small_file(root: Path, rounds: int, work: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def torchtitan_files(root: Path, work: Path) -> dict[str, Any]:
+def torchtitan_files(root: Path, rounds: int, work: Path) -> dict[str, Any]:
+    """One cold run on the plugin (the goal's figure), then, as a developer rerunning the files does, a cold
+    and ``rounds`` warm runs with ``--dstest-warm`` (reported beside it)."""
     missing = [f for f in TITAN_FILES if not (root / f).is_file()]
     if missing:
         return {"measured": False, "why": f"not in {root}: {', '.join(missing)}"}
     upstream = _pytest(root, ["-p", "no:dstest", *TITAN_FILES], work / "titan-upstream.xml", _env(), 3600)
     plugin = _pytest(root, ["-p", "dstest.compat.torch", *TITAN_FILES], work / "titan-plugin.xml", _env(), 3600)
+    cold, warm = _warm_runs(root, TITAN_FILES, work, "titan", rounds, 3600)
+    median = statistics.median(w["seconds"] for w in warm)
+    differ = sorted({k for run in (plugin, cold, *warm) for k in _differ(upstream["verdicts"], run["verdicts"])})
     return {
         "measured": True, "files": TITAN_FILES, "items": len(upstream["verdicts"]),
         "upstream": _summary(upstream), "plugin": _summary(plugin),
         "ratio_upstream_to_plugin": upstream["seconds"] / plugin["seconds"],
-        "differ": _differ(upstream["verdicts"], plugin["verdicts"]),
+        "warm_cold": _summary(cold), "warm": [_summary(w) for w in warm],
+        "warm_forked": sum(FORKED in w["output"] for w in warm), "warm_median_s": median,
+        "ratio_upstream_to_warm": upstream["seconds"] / median,
+        "differ": differ,
     }  # fmt: skip
 
 
@@ -139,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--torch-tests", type=Path, default=os.environ.get("DSTEST_TORCH_TESTS"))
     parser.add_argument("--torchtitan", type=Path, default=os.environ.get("DSTEST_TORCHTITAN"))
     parser.add_argument("--python", default=os.environ.get("DSTEST_UPSTREAM_PYTHON", sys.executable))
-    parser.add_argument("--rounds", type=int, default=3, help="warm runs of torch's file (the median counts)")
+    parser.add_argument("--rounds", type=int, default=3, help="warm runs of each side (the median counts)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if args.rounds < 1:
@@ -155,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.torchtitan is None:
             report["torchtitan"] = {"measured": False, "why": "no checkout of torchtitan (--torchtitan)"}
         else:
-            report["torchtitan"] = torchtitan_files(args.torchtitan.resolve(), work)
+            report["torchtitan"] = torchtitan_files(args.torchtitan.resolve(), args.rounds, work)
     for key in ("torch", "torchtitan"):
         r = report[key]
         if not r["measured"]:
@@ -167,7 +185,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"verdicts differ: {len(r['differ'])}")  # fmt: skip
         else:
             print(f"torchtitan {len(r['files'])} files ({r['items']} items): upstream {r['upstream']['seconds']:.1f} "
-                  f"s, plugin {r['plugin']['seconds']:.1f} s: {r['ratio_upstream_to_plugin']:.1f}x; verdicts differ: "
+                  f"s, plugin {r['plugin']['seconds']:.1f} s: {r['ratio_upstream_to_plugin']:.1f}x; with --dstest-warm "
+                  f"cold {r['warm_cold']['seconds']:.1f} s, warm median {r['warm_median_s']:.1f} s "
+                  f"({r['warm_forked']}/{len(r['warm'])} forked): {r['ratio_upstream_to_warm']:.1f}x; verdicts differ: "
                   f"{len(r['differ'])}")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
