@@ -841,10 +841,16 @@ def _library(root: Path, name: str, modules: int, fails_in_server: bool = False)
 
 
 @pytest.mark.parametrize(
-    ("modules", "fails_in_server"), [(80, False), (3, False), (3, True)], ids=["library", "helper", "fails-in-server"]
+    ("modules", "fails_in_server", "args"),
+    [(80, False, ()), (3, False, ()), (3, True, ()), (80, False, ("-n", "2"))],
+    ids=["library", "helper", "fails-in-server", "library-xdist"],
 )
 def test_what_the_collection_imported_is_imported_once_by_the_fork_server(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, modules: int, fails_in_server: bool
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    modules: int,
+    fails_in_server: bool,
+    args: tuple[str, ...],
 ) -> None:
     """A test file that imports a library the bases do not (81 modules, or a helper of 4): the fork server,
     started before collection, is fed what the collection imported and imports it too, before its first
@@ -857,7 +863,7 @@ def test_what_the_collection_imported_is_imported_once_by_the_fork_server(
     name = f"lib{modules}{'x' if fails_in_server else ''}"
     _library(pytester.path, name, modules, fails_in_server)
     pytester.makepyfile(test_preload=PRELOAD_SUITE.format(lib=name))
-    result, verdicts = _run(pytester)
+    result, verdicts = _run(pytester, *args)  # under -n 2: by the server of the xdist worker that runs the test
     assert verdicts == {"test_where_the_library_was_imported": "passed"}, result.stdout.str()[-4000:]
     seen = [p.read_text().split() for p in sorted(where.iterdir())]
     assert len(seen) == 2 and all(count == str(modules + 1) for _, _, count in seen), seen

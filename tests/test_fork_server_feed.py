@@ -233,3 +233,22 @@ def test_what_a_worker_would_import_again_is_fed_in_import_order(
     finally:
         for name in ("fed_two", "fed_one", "conftest"):
             sys.modules.pop(name, None)
+
+
+def test_an_xdist_controller_starts_no_server_of_its_own() -> None:
+    """A session that hands its tests to pytest-xdist's workers (``-n N``) runs none: it starts no fork server
+    (each worker starts and feeds its own); an xdist worker, ``-n 0`` and ``--dist no`` run their tests."""
+    from types import SimpleNamespace
+
+    def config(worker: bool = False, **option: Any) -> Any:
+        made = SimpleNamespace(option=SimpleNamespace(**option))
+        if worker:
+            made.workerinput = {"workerid": "gw0"}
+        return made
+
+    assert _server_feed.xdist_controller(config(numprocesses=2, dist="load"))
+    assert _server_feed.xdist_controller(config(numprocesses="auto", dist="worksteal"))
+    assert not _server_feed.xdist_controller(config(worker=True, numprocesses=2, dist="load"))
+    assert not _server_feed.xdist_controller(config(numprocesses=0, dist="load"))
+    assert not _server_feed.xdist_controller(config(numprocesses=2, dist="no"))
+    assert not _server_feed.xdist_controller(config())  # no xdist

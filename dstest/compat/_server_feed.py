@@ -42,6 +42,8 @@ def start(config: pytest.Config, preload: tuple[str, ...] = ()) -> bool:
     from dstest.worlds.process.launch import end_fork_server_feed, preload_in_fork_server, start_fork_server_fed
 
     preload_in_fork_server(*preload)
+    if xdist_controller(config):  # its workers run the tests, each with a server of its own
+        return False
     folder = tempfile.mkdtemp(prefix="dstest-fork-server-")
     config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
     config.add_cleanup(end_fork_server_feed)  # a session that never finished collecting, at the latest
@@ -49,6 +51,14 @@ def start(config: pytest.Config, preload: tuple[str, ...] = ()) -> bool:
         return False
     config.stash[_FEED_KEY] = ServerFeed(seen=set(sys.modules), count=len(sys.modules))
     return True
+
+
+def xdist_controller(config: pytest.Config) -> bool:
+    """Whether this session hands its tests to pytest-xdist's workers (``-n N``, N > 0) and runs none itself."""
+    if hasattr(config, "workerinput"):
+        return False
+    workers = getattr(config.option, "numprocesses", None)
+    return bool(workers) and getattr(config.option, "dist", "load") != "no"
 
 
 def new_imports(seen: set[str]) -> list[str]:
