@@ -252,3 +252,19 @@ def test_an_xdist_controller_starts_no_server_of_its_own() -> None:
     assert not _server_feed.xdist_controller(config(numprocesses=0, dist="load"))
     assert not _server_feed.xdist_controller(config(numprocesses=2, dist="no"))
     assert not _server_feed.xdist_controller(config())  # no xdist
+
+
+def test_the_server_can_start_before_the_session_imports_torch() -> None:
+    """The torch-bases plugin starts the fork server first thing, so that the server imports torch on the other
+    core while the session does: the plugin's module, the feed and the fork server's launch import no torch."""
+    code = (
+        "import sys\n"
+        "import dstest.compat.torch, dstest.compat._server_feed, dstest.worlds.process.launch\n"
+        "import dstest.worlds.process as p\n"
+        "assert 'ProcessWorld' in dir(p)\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.replace("'", '"')) == [], proc.stdout
