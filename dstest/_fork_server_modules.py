@@ -26,18 +26,11 @@ import os
 import sys
 import time
 
+from dstest.worlds.process.launch import cuda_initialized
+
 FEED_VAR = "DSTEST_FORK_SERVER_FEED"
 #: How often the server looks at the feed for more lines while the session collects.
 POLL_S = 0.01
-
-
-def _cuda_initialized() -> bool:
-    torch = sys.modules.get("torch")
-    cuda = getattr(torch, "cuda", None)
-    try:
-        return bool(cuda.is_initialized()) if cuda is not None else False
-    except Exception:
-        return False
 
 
 def _import_all(names: list[str]) -> str | None:
@@ -50,7 +43,7 @@ def _import_all(names: list[str]) -> str | None:
             importlib.import_module(name)
         except (Exception, SystemExit):
             pass
-        if _cuda_initialized():
+        if cuda_initialized():
             return name
     return None
 

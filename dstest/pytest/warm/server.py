@@ -28,6 +28,7 @@ from dstest.pytest.warm import channel
 from dstest.pytest.warm.session import run_session
 from dstest.pytest.warm.sources import Sources
 from dstest.pytest.warm.staleness import imported_files, origins_differ, rewritten_by_pytest, top_level_names
+from dstest.worlds.process.launch import cuda_initialized
 
 
 def serve(spec_path: str) -> int:
@@ -47,7 +48,7 @@ def serve(spec_path: str) -> int:
     if threading.active_count() != 1:
         print(f"warm server: importing the preload started threads {threading.enumerate()}; not serving", flush=True)
         return 1
-    if _cuda_initialized():  # a session forked from this process could not use CUDA
+    if cuda_initialized():  # a session forked from this process could not use CUDA
         print("warm server: importing the preload initialized CUDA; not serving", flush=True)
         return 1
     taking = time.monotonic()
@@ -79,14 +80,6 @@ def serve(spec_path: str) -> int:
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
-
-
-def _cuda_initialized() -> bool:
-    torch = sys.modules.get("torch")
-    try:
-        return bool(torch.cuda.is_initialized()) if torch is not None else False
-    except Exception:
-        return False
 
 
 def _preload(spec: dict[str, Any]) -> str | None:

@@ -5,6 +5,7 @@ the rendezvous port and the threads each rank gets.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -42,10 +43,29 @@ _PRELOAD = [
 ]
 _CONTEXT: Any = None
 _FORKED_HERE = False  # the fork server is a fork of this process (fork_server_from_here)
-_FEED: str | None = None  # the file this process feeds its fork server's imports through, while it is open
-_UNSETTLED: str | None = None  # that file, until settle_fork_server has read how the server's feed ended
-_FED: list[str] = []  # the modules fed to this process's fork server, in order (fork_server_preload lists them)
-_FED_FROM: str | None = None  # the feed they went through (its end file says where the server stopped)
+
+
+@dataclasses.dataclass
+class _Feed:
+    """This process's fork server's feed (:func:`start_fork_server_fed`)."""
+
+    path: str  # the file the modules are named in; the server writes how it ended beside it (``.end``)
+    names: list[str] = dataclasses.field(default_factory=list)  # fed so far, in order
+    open: bool = True  # until end_fork_server_feed
+    settled: bool = False  # once settle_fork_server has waited for the server's end
+
+    def cuda(self) -> str | None:
+        """The fed module whose import initialized CUDA in the server, as the server's end file says (None
+        where none did, or the server has not ended its feed)."""
+        try:
+            with open(self.path + ".end", encoding="utf-8") as f:
+                cuda = json.load(f).get("cuda")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return cuda if isinstance(cuda, str) else None
+
+
+_FEED: _Feed | None = None
 
 
 def preload_in_fork_server(*modules: str) -> bool:
@@ -75,12 +95,10 @@ def fork_server_preload() -> list[str]:
     """The modules the fork server imports (or imported, once started), in order: its preloads, then those it
     was fed (:func:`feed_fork_server`), up to one whose import initialized CUDA there, where one did (a warm
     server imports the same, so that its sessions, and their workers, start with them)."""
-    fed = list(_FED)
-    if _FED_FROM is not None:
-        with contextlib.suppress(OSError, ValueError, AttributeError), open(_FED_FROM + ".end", encoding="utf-8") as f:
-            cuda = json.load(f).get("cuda")
-            if cuda in fed:
-                fed = fed[: fed.index(cuda)]
+    fed = list(_FEED.names) if _FEED is not None else []
+    cuda = _FEED.cuda() if _FEED is not None else None
+    if cuda in fed:
+        fed = fed[: fed.index(cuda)]
     return list(_PRELOAD) + [name for name in fed if name not in _PRELOAD]
 
 
@@ -124,6 +142,16 @@ def start_fork_server(env: dict[str, str] | None = None) -> bool:
     return True
 
 
+def cuda_initialized() -> bool:
+    """Whether this process has initialized CUDA (where torch is imported): a process forked from it could not
+    use CUDA, so a fork server, or the warm server sessions are forked from, must not have."""
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch.cuda.is_initialized()) if torch is not None else False
+    except Exception:
+        return False
+
+
 def fork_server_pid() -> int | None:
     """The pid of this process's running fork server, or None."""
     from multiprocessing import forkserver
@@ -151,8 +179,7 @@ def start_fork_server_fed(feed: str) -> bool:
     preload_in_fork_server("dstest._fork_server_modules")
     if not start_fork_server({"DSTEST_FORK_SERVER_FEED": feed}) or fork_server_pid() is None:
         return False
-    global _UNSETTLED, _FED_FROM
-    _FEED = _UNSETTLED = _FED_FROM = feed
+    _FEED = _Feed(feed)
     return True
 
 
@@ -160,23 +187,22 @@ def feed_fork_server(modules: list[str]) -> bool:
     """Have the fed fork server (:func:`start_fork_server_fed`) import ``modules`` too, in this order, with
     this process's ``sys.path`` of now; those it has imported already are passed over. Returns whether the
     feed is open (False, doing nothing, once it has ended or where the server is not fed)."""
-    if _FEED is None:
+    if _FEED is None or not _FEED.open:
         return False
     if modules:
-        _FED.extend(name for name in modules if name not in _FED)
+        _FEED.names.extend(name for name in modules if name not in _FEED.names)
         line = json.dumps({"path": [p for p in sys.path if isinstance(p, str)], "modules": list(modules)})
-        with open(_FEED, "a", encoding="utf-8") as f:
+        with open(_FEED.path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
     return True
 
 
 def end_fork_server_feed() -> None:
     """End the fed server's feed: once it has imported what the feed named, it serves workers."""
-    global _FEED
-    feed, _FEED = _FEED, None
-    if feed is None:
+    if _FEED is None or not _FEED.open:
         return
-    with contextlib.suppress(OSError), open(feed, "a", encoding="utf-8") as f:
+    _FEED.open = False
+    with contextlib.suppress(OSError), open(_FEED.path, "a", encoding="utf-8") as f:
         f.write(json.dumps({"done": True}) + "\n")
 
 
@@ -191,21 +217,16 @@ def settle_fork_server(timeout: float = SETTLE_TIMEOUT_S) -> str | None:
     CUDA), the server is replaced by one that imports its preloads only, and that module's name returned
     (each worker imports it itself, as without the feed); else None. Does nothing after its first call or
     where the server is not fed."""
-    global _UNSETTLED
     end_fork_server_feed()
-    feed, _UNSETTLED = _UNSETTLED, None
-    if feed is None:
+    feed = _FEED
+    if feed is None or feed.settled:
         return None
-    end = feed + ".end"
+    feed.settled = True
     deadline = time.monotonic() + timeout
-    while not os.path.exists(end) and time.monotonic() < deadline and _fork_server_alive():
+    while not os.path.exists(feed.path + ".end") and time.monotonic() < deadline and _fork_server_alive():
         time.sleep(0.01)
-    try:
-        with open(end, encoding="utf-8") as f:
-            cuda = json.load(f).get("cuda")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not isinstance(cuda, str):
+    cuda = feed.cuda()
+    if cuda is None:
         return None
     stop_fork_server()
     start_fork_server()
