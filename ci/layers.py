@@ -25,8 +25,15 @@ from import_cycles import _imports, _resolve, module_files
 LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "base",
-        "errors, the registry of target and world names, argument checks, the torch-free matching core",
-        ("dstest.errors", "dstest.registry", "dstest.resets", "dstest.worlds.protocol", "dstest.worlds.core"),
+        "errors, the registry of target and world names, argument checks, the torch-free matching core, lazy exports",
+        (
+            "dstest.errors",
+            "dstest.registry",
+            "dstest.resets",
+            "dstest.worlds.protocol",
+            "dstest.worlds.core",
+            "dstest._lazy",
+        ),
     ),
     (
         "trace",
@@ -44,7 +51,11 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "specs and runs: @dstest.spec, dstest.run, target binding, programs, strategies, crosscheck",
         ("dstest.specification", "dstest.binding", "dstest.programs", "dstest.strategies", "dstest.crosscheck"),
     ),
-    ("targets", "the systems under test and the conformance specs they are held to", ("dstest.targets", "dstest.conformance")),
+    (
+        "targets",
+        "the systems under test and the conformance specs they are held to",
+        ("dstest.targets", "dstest.conformance"),
+    ),
     ("report", "conformance reports: terminal, JSON, JUnit, HTML, progress", ("dstest.report",)),
     (
         "front",

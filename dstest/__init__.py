@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from dstest._lazy import lazy_names
+
 __version__ = "0.1.0"
 
 _EXPORTS = {
@@ -56,15 +58,13 @@ _SUBMODULES = ("faults",)
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 
+_exported = lazy_names("dstest", _EXPORTS, globals())
+
+
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(f"dstest.{name}")
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dstest' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return _exported(name)
 
 
 def __dir__() -> list[str]:

@@ -64,7 +64,9 @@ The package, one module per concern (each imports only those before it in this l
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from dstest._lazy import lazy_names
 
 if TYPE_CHECKING:
     from dstest.worlds.process.pool_cache import (
@@ -92,15 +94,7 @@ _FROM = {name: "dstest.worlds.process.pool_cache" for name in __all__ if name !=
 _FROM["ProcessWorld"] = "dstest.worlds.process.world"
 
 
-def __getattr__(name: str) -> Any:
-    module = _FROM.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _FROM, globals())
 
 
 def __dir__() -> list[str]:
