@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _junit import run_with_outcomes
+from _warm import stop_servers, wait_for_server
 
 pytest.importorskip("expecttest", reason="torch.testing._internal needs expecttest (pip install expecttest)")
 
@@ -909,11 +907,9 @@ def test_a_warm_rerun_starts_its_workers_with_what_the_collection_imported(
             header = next((line for line in result.outlines if line.startswith("dstest warm:")), "")
             runs.append((header, [p.read_text().split() for p in sorted(where.iterdir())]))
             if attempt == 0:
-                deadline = time.monotonic() + 180
-                while not list(warm_dir.glob("*.sock")) and time.monotonic() < deadline:
-                    time.sleep(0.2)
+                wait_for_server(warm_dir)
     finally:
-        subprocess.run([sys.executable, "-m", "dstest.pytest.warm", "--stop"], capture_output=True, timeout=60)
+        stop_servers()
     (cold_header, cold), (warm_header, warm) = runs
     assert cold_header.startswith("dstest warm: cold run"), cold_header
     assert warm_header.startswith("dstest warm: forked from a warm server"), warm_header

@@ -7,12 +7,11 @@ Each test has its own server directory (``DSTEST_WARM_DIR``) and stops its serve
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from _warm import stop_servers, wait_for_server
 
 pytestmark = pytest.mark.cpu
 
@@ -71,23 +70,11 @@ def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_project=TESTS)
     yield pytester, warm_dir
-    subprocess.run(
-        [sys.executable, "-m", "dstest.pytest.warm", "--stop"], env=dict(os.environ), capture_output=True, timeout=60
-    )
+    stop_servers()
 
 
 def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     return pytester.runpytest_subprocess("--dstest-warm", "-p", "no:cacheprovider", "-rA", *args, timeout=240)
-
-
-def _wait_for_server(warm_dir: Path, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if list(warm_dir.glob("*.sock")):
-            return
-        time.sleep(0.2)
-    logs = "\n".join(p.read_text() for p in warm_dir.glob("*.log"))
-    raise AssertionError(f"no warm server came up in {timeout} s; its log:\n{logs}")
 
 
 def _header(result: pytest.RunResult) -> str:
@@ -100,7 +87,7 @@ def test_f3_a_later_run_is_forked_with_the_cold_runs_verdicts(project, monkeypat
     assert COLD in _header(cold), cold.outlines[:12]
     cold.assert_outcomes(passed=3, failed=1)
     cold.stdout.fnmatch_lines(["*a warm server is starting for the next run*"])
-    _wait_for_server(warm_dir)
+    wait_for_server(warm_dir)
     for _ in range(2):  # the server serves more than once
         warm = _run(pytester)
         assert FORKED in _header(warm), warm.outlines[:12]
@@ -124,14 +111,14 @@ def test_f3_a_changed_source_file_makes_the_run_cold_and_current(project) -> Non
     (in this process and in the workers) see the new value; the next server serves the new code."""
     pytester, warm_dir = project
     _run(pytester, "-k", "library").assert_outcomes(passed=2)
-    _wait_for_server(warm_dir)
+    wait_for_server(warm_dir)
     assert FORKED in _header(_run(pytester, "-k", "library"))
     lib = pytester.path / "lib" / "mylib.py"
     lib.write_text("VALUE = 22\n")
     changed = _run(pytester, "-k", "library")
     assert COLD in _header(changed) and "mylib.py changed after the warm server imported it" in _header(changed)
     changed.assert_outcomes(passed=2)
-    _wait_for_server(warm_dir)
+    wait_for_server(warm_dir)
     again = _run(pytester, "-k", "library")
     assert FORKED in _header(again), again.outlines[:12]
     again.assert_outcomes(passed=2)
@@ -185,7 +172,7 @@ def test_f3_a_package_pytest_rewrites_imported_by_the_preload_gives_no_new_warni
     cold = _run(pytester, "-k", "library")
     cold.assert_outcomes(passed=2)
     assert "PytestAssertRewriteWarning" not in cold.stdout.str()
-    _wait_for_server(warm_dir)
+    wait_for_server(warm_dir)
     warm = _run(pytester, "-k", "library")
     assert FORKED in _header(warm), warm.outlines[:12]
     warm.assert_outcomes(passed=2)
@@ -222,12 +209,12 @@ def test_f3_a_file_changed_while_the_server_imports_it_makes_the_next_run_cold(p
         time.sleep(0.05)
     lib.write_text(HELD_LIB.replace("VALUE = 1", "VALUE = 2"))  # the same size
     (hold / "go").touch()
-    _wait_for_server(warm_dir)
+    wait_for_server(warm_dir)
     after = _run(pytester, "-k", "library")
     assert COLD in _header(after), after.outlines[:12]
     assert "mylib.py" in _header(after), _header(after)
     after.assert_outcomes(passed=2)
-    _wait_for_server(warm_dir)  # the cold run's own server has the new code
+    wait_for_server(warm_dir)  # the cold run's own server has the new code
     again = _run(pytester, "-k", "library")
     assert FORKED in _header(again), again.outlines[:12]
     again.assert_outcomes(passed=2)
@@ -246,7 +233,7 @@ def test_f3_the_ini_setting_keeps_a_server_between_runs_without_the_option(proje
     cold = run()
     assert COLD in _header(cold), cold.outlines[:12]
     cold.assert_outcomes(passed=1)
-    _wait_for_server(warm_dir)
+    wait_for_server(warm_dir)
     warm = run()
     assert FORKED in _header(warm), warm.outlines[:12]
     warm.assert_outcomes(passed=1)
@@ -293,7 +280,7 @@ def test_f3_an_idle_server_stops_once_its_sources_change_or_its_socket_goes(
     pytester, warm_dir = project
     monkeypatch.setenv("DSTEST_WARM_WATCH", "0.5")
     _run(pytester, "-k", "library").assert_outcomes(passed=2)
-    _wait_for_server(warm_dir)
+    wait_for_server(warm_dir)
     pid = _server_pid(warm_dir)
     (pytester.path / "lib" / "mylib.py").write_text("VALUE = 3\n")
     _wait_gone(pid, warm_dir)
@@ -304,7 +291,7 @@ def test_f3_an_idle_server_stops_once_its_sources_change_or_its_socket_goes(
     for log in warm_dir.glob("*.log"):
         log.unlink()
     _run(pytester, "-k", "library").assert_outcomes(passed=2)  # cold: starts a server with the new code
-    _wait_for_server(warm_dir)
+    wait_for_server(warm_dir)
     pid = _server_pid(warm_dir)
     for sock in warm_dir.glob("*.sock"):
         sock.unlink()
