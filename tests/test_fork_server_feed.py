@@ -1,5 +1,9 @@
 """The fork server's feed: modules a session names while it goes on (a pytest session's collection), imported
-by the server before its first worker (dstest._fork_server_modules, launch.start_fork_server_fed)."""
+by the server before its first worker (dstest._fork_server_modules, launch.start_fork_server_fed).
+
+Contracts: F2 (tests on torch's bases run on warm workers with the verdicts upstream gives them: a module the
+server cannot import, or whose import initialized CUDA, is left to each worker, as without the feed) and F3 (a
+warm server imports what the cold run fed its fork server, and serves no session it could not give CUDA)."""
 
 from __future__ import annotations
 

@@ -349,9 +349,10 @@ def _started_processes(ctx: Any, tmp: str) -> dict[str, Any]:
 def test_on_one_cpu_the_processes_a_rank_starts_get_every_cpu_and_the_rank_stays_on_one(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any, warm: bool
 ) -> None:
-    """A process inherits the CPUs of the thread that starts it: on one CPU, a rank's ``subprocess`` (fork_exec
-    and posix_spawn), ``os.system`` and multiprocessing's fork and spawn children run on every CPU the caller
-    had, as on any CPU, and the rank thread is back on its one CPU after each."""
+    """E4 (nothing of the setting outlives the run's own threads): a process inherits the CPUs of the thread
+    that starts it; on one CPU, a rank's ``subprocess`` (fork_exec and posix_spawn), ``os.system`` and
+    multiprocessing's fork and spawn children run on every CPU the caller had, as on any CPU, and the rank
+    thread is back on its one CPU after each."""
     monkeypatch.setenv(cpus.ENV_RANK_CPUS, "one")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a process with threads (Python 3.12+)
