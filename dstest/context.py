@@ -27,6 +27,7 @@ def rank_seed(seed: int, rank: int) -> int:
 
 
 _CURRENT = threading.local()
+_GENERATOR_LOCK = threading.Lock()
 
 
 def current_context() -> RankContext | None:
@@ -53,15 +54,25 @@ class RankContext:
     device: torch.device
     seed: int = 0
     target_name: str | None = field(default=None, init=False)
-    generator: torch.Generator = field(init=False, repr=False)
+    _generator: torch.Generator | None = field(default=None, init=False, repr=False)
     _groups: GroupBuilder | None = field(default=None, init=False, repr=False)
     _target: Target | None = field(default=None, init=False, repr=False)
     _target_factory: Callable[[], Target] | None = field(default=None, init=False, repr=False)
     _comm: CommView | None = field(default=None, init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(rank_seed(self.seed, self.rank))
+    @property
+    def generator(self) -> torch.Generator:
+        """This rank's own CPU generator, seeded with :func:`rank_seed` (E5); made on first use (a run whose
+        body never draws from it does not pay for it)."""
+        generator = self._generator
+        if generator is None:
+            with _GENERATOR_LOCK:  # a rank's helper thread may ask at the same time: one generator per context
+                if self._generator is None:
+                    made = torch.Generator(device="cpu")
+                    made.manual_seed(rank_seed(self.seed, self.rank))
+                    self._generator = made
+                generator = self._generator
+        return generator
 
     # -- random data -----------------------------------------------------------------------------
     def randn(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -164,6 +164,26 @@ def test_e2_group_mismatch_is_reported_as_deadlock():
     assert "rank 1 waits in all_reduce" in text and "group 1 [1, 2]" in text
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_e2_a_deadlock_completed_by_a_rank_that_finishes_last_is_reported(warm: bool):
+    """E2: ranks 0 and 1 each wait to receive from the other while rank 2 still runs; once rank 2 finishes
+    (it takes no part in their transfers), no rank is left to complete them: a deadlock, reported then,
+    not at the timeout."""
+
+    def body(ctx):
+        if ctx.rank == 2:
+            time.sleep(0.2)  # the other two are already waiting when it finishes
+            return
+        dist.recv(torch.empty(2), src=1 - ctx.rank)
+
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        ThreadedWorld(warm=warm).run(RunRequest(body, 3, timeout=30))
+    assert not isinstance(info.value, WorldTimeout) and time.monotonic() - start < 30
+    text = str(info.value)
+    assert "deadlock" in text and "rank 0 waits in recv" in text and "rank 1 waits in recv" in text, text
+
+
 def test_e2_rank_that_skips_a_collective():
     def body(ctx):
         if ctx.rank == 0:

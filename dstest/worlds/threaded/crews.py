@@ -132,7 +132,8 @@ class WarmCrew:
         """Undo what a run leaves on its rank thread: subgroups, their names and store keys, grad mode."""
         torch_internals.drop_subgroups()
         fresh.end()
-        torch.set_grad_enabled(True)
+        if not torch.is_grad_enabled():
+            torch.set_grad_enabled(True)
 
     def run(self, request: RunRequest, recorder: _trace.Recorder, make_ctx: Callable[[int], RankContext]) -> list[Any]:
         rendezvous = self.rendezvous

@@ -81,8 +81,10 @@ class Rendezvous(Departures):
         with self.lock:
             self.states.reset()
             self.aborted = None
-            self.abort_event.clear()
-            self.ranks = [RankLedger() for _ in range(self.world_size)]
+            if self.abort_event.is_set():
+                self.abort_event.clear()
+            if any(ledger.open or ledger.raised for ledger in self.ranks):  # a run that passed leaves them empty
+                self.ranks = [RankLedger() for _ in range(self.world_size)]
             self.faults, self.fired, self.failed_exchanges = None, [], {}
 
     def leftovers(self) -> bool:

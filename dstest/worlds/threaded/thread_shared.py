@@ -177,8 +177,10 @@ class ThreadedRendezvous(Rendezvous):
     def reset(self) -> None:
         super().reset()
         self._shared_rng_state = torch.default_generator.get_state()
-        self.shared_globals = _SharedGlobals()
-        self.module_writes = {}
+        if self.shared_globals.watched or self.shared_globals.found or self.shared_globals.failed_in is not None:
+            self.shared_globals = _SharedGlobals()
+        if self.module_writes:
+            self.module_writes = {}
 
 
 # -- module attributes a rank rebinds ---------------------------------------------------------------------------

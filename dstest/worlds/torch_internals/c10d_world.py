@@ -258,11 +258,14 @@ def drop_subgroups() -> None:
     dstest's groups are Python ProcessGroups; the state is this thread's own, so it is dropped directly
     rather than through ``destroy_process_group`` (which would also tear down what a run never built).
     """
-    state = c10d._world
-    dropped = [pg for pg in list(state.pg_map) if pg is not state.default_pg]
-    if not dropped:  # most runs make no subgroup: no table to look through
+    state = _own_state()
+    pg_map, default_pg = state.pg_map, state.default_pg
+    if len(pg_map) == 1 and default_pg in pg_map:  # most runs make no subgroup: nothing to drop
         return
-    tables = _group_tables(state._target() if isinstance(state, ThreadLocalWorld) else state)
+    dropped = [pg for pg in list(pg_map) if pg is not default_pg]
+    if not dropped:
+        return
+    tables = _group_tables(state)
     for pg in dropped:
         name = dict.get(state.pg_names, pg)
         for table in tables:
@@ -273,6 +276,13 @@ def drop_subgroups() -> None:
         if name is not None:
             with contextlib.suppress(RuntimeError, KeyError):
                 torch._C._distributed_c10d._unregister_process_group(name)
+
+
+def _own_state() -> Any:
+    """The calling thread's c10d state object itself: a rank thread's own (not the stand-in that looks it up
+    on every attribute), or the process's."""
+    state = c10d._world
+    return state._target() if isinstance(state, ThreadLocalWorld) else state
 
 
 _TABLE_NAMES: dict[type, tuple[str, ...]] = {}  # per c10d state class: its attributes named pg_*
@@ -313,13 +323,13 @@ class FreshRunState:
         self.backend, self.store = state.pg_map[default_pg]
 
     def begin(self, run_id: int) -> None:
-        state = c10d._world
+        state = _own_state()
         prefixed = torch._C._distributed_c10d.PrefixStore(f"dstest-run{run_id}/", self.store)
         state.pg_map[self.default_pg] = (self.backend, prefixed)
         state.group_count = self.group_count
 
     def end(self) -> None:
-        state = c10d._world
+        state = _own_state()
         state.pg_map[self.default_pg] = (self.backend, self.store)
         state.group_count = self.group_count
 
