@@ -42,7 +42,7 @@ def _where(ctx: Any) -> tuple[frozenset[int], frozenset[int], list[float]]:
         t = t / (step + 2)
     out = torch.empty(4 * ctx.world_size)
     dist.all_gather_into_tensor(out, t)
-    return frozenset(os.sched_getaffinity(0)), seen[0], out.tolist()
+    return frozenset(cpus._real_affinity(0)), seen[0], out.tolist()
 
 
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
@@ -55,9 +55,9 @@ def test_one_cpu_holds_every_rank_and_its_threads_on_one_cpu_with_the_same_value
     assert all(mine == set(OWN) and helper == set(OWN) for mine, helper, _ in spread)
 
     monkeypatch.setenv(cpus.ENV_RANK_CPUS, "one")
-    before = os.sched_getaffinity(0)
+    before = cpus._real_affinity(0)
     held = world.run(RunRequest(_where, 4))
-    assert os.sched_getaffinity(0) == before  # the caller's own CPUs, given back
+    assert cpus._real_affinity(0) == before  # the caller's own CPUs, given back
     (cpu,) = held[0][0]
     assert cpu in OWN
     assert all(mine == {cpu} and helper == {cpu} for mine, helper, _ in held)
@@ -87,7 +87,7 @@ def _parallel_work(ctx: Any) -> tuple[int, list[int], float]:
     t = torch.full((1 << 20,), float(ctx.rank + 1)).mul_(3.0).div_(3.0)  # exact: small integers
     total = t.sum().reshape(1)
     dist.all_reduce(total)
-    (cpu,) = os.sched_getaffinity(0)
+    (cpu,) = cpus._real_affinity(0)
     return cpu, _native_threads_on(cpu), total.item()
 
 
@@ -102,6 +102,50 @@ def test_on_one_cpu_the_ranks_intra_op_threads_keep_every_cpu(monkeypatch: pytes
     assert len({cpu for cpu, _, _ in out}) == 1
     assert [held for _, held, _ in out] == [[], [], []]
     assert [v for *_, v in out] == [(1 + 2 + 3) * float(1 << 20)] * 3
+
+
+def _cpus_seen(ctx: Any, move: bool) -> dict[str, Any]:
+    """What a rank's code reads of its CPUs (by pid 0 and by its thread id), where it really runs, and whether
+    a DataLoader with a worker per CPU of the process warns that the rank has too few (warnings as errors)."""
+    import torch.utils.data as data
+
+    loader = data.DataLoader(list(range(8)), num_workers=len(OWN))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader.check_worker_number_rationality()  # warns where num_workers exceeds the CPUs it reads
+    seen = {
+        "pid 0": sorted(os.sched_getaffinity(0)),
+        "own tid": sorted(os.sched_getaffinity(threading.get_native_id())),
+        "real": sorted(cpus._real_affinity(0)),
+    }
+    if move:  # the code moves its own thread (core binding): it sees where it put itself
+        really = cpus._real_affinity(0)
+        target = {max(OWN)} if really != {max(OWN)} else {min(OWN)}
+        os.sched_setaffinity(0, target)
+        try:
+            seen["moved"] = (sorted(os.sched_getaffinity(0)), sorted(target))
+        finally:
+            os.sched_setaffinity(0, really)
+    return seen
+
+
+@pytest.mark.skipif(len(OWN) < 2, reason="needs two CPUs to tell one CPU from all")
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_on_one_cpu_a_ranks_code_reads_the_cpus_a_rank_process_has(monkeypatch: pytest.MonkeyPatch, warm: bool) -> None:
+    """Threads as processes: under ``one`` the rank threads run on one CPU, but the code they run reads the CPUs
+    of the process, as each rank process of the process world reads them (a DataLoader sized to them gives no
+    warning); the rank is still held on its one CPU, and code that moves its own thread reads where it is."""
+    monkeypatch.setenv(cpus.ENV_RANK_CPUS, "one")
+    threaded = ThreadedWorld(warm=warm).run(RunRequest(_cpus_seen, 3, args=(True,)))
+    process = dstest.run(_cpus_seen, 3, world="process", args=(False,))
+    for seen in threaded:
+        assert seen["pid 0"] == seen["own tid"] == sorted(OWN), seen
+        assert len(seen["real"]) == 1 and seen["real"][0] in OWN, seen
+        assert seen["moved"][0] == seen["moved"][1], seen
+    assert [{k: s[k] for k in ("pid 0", "own tid")} for s in process] == [
+        {k: s[k] for k in ("pid 0", "own tid")} for s in threaded
+    ]
+    assert cpus._real_affinity(0) == OWN and os.sched_getaffinity(0) == OWN  # the caller, after the run
 
 
 def test_the_values_are_gloos_on_one_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -132,7 +176,7 @@ def test_the_chosen_cpu_is_one_the_process_may_use(monkeypatch: pytest.MonkeyPat
 
 
 def _own_cpus(ctx: Any) -> frozenset[int]:
-    return frozenset(os.sched_getaffinity(0))
+    return frozenset(cpus._real_affinity(0))
 
 
 def test_parked_threads_of_a_run_on_one_cpu_serve_later_runs_on_every_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -162,7 +206,7 @@ from dstest.worlds.threaded import ThreadedWorld, cpus
 cpus._current_cpu = lambda: min(os.sched_getaffinity(0))  # both callers on the same CPU: the case claims settle
 
 def where(ctx):
-    return sorted(os.sched_getaffinity(0))
+    return sorted(cpus._real_affinity(0))
 
 print(json.dumps(ThreadedWorld(warm=True).run(RunRequest(where, 2))), flush=True)
 sys.stdin.readline()  # keeps its claim until told to end
@@ -323,15 +367,15 @@ def _started_processes(ctx: Any, tmp: str) -> dict[str, Any]:
     mine: list[frozenset[int]] = []
     proc = subprocess.run([sys.executable, "-c", _CHILD_CPUS], capture_output=True, text=True, check=True)
     seen["subprocess"] = eval(proc.stdout)
-    mine.append(frozenset(os.sched_getaffinity(0)))
+    mine.append(frozenset(cpus._real_affinity(0)))
     path = os.path.join(tmp, f"system{ctx.rank}")
     assert os.system(f"{sys.executable} -c '{_CHILD_CPUS}' > {path}") == 0
     with open(path) as f:
         seen["os.system"] = eval(f.read())
-    mine.append(frozenset(os.sched_getaffinity(0)))
+    mine.append(frozenset(cpus._real_affinity(0)))
     with subprocess.Popen([sys.executable, "-c", _CHILD_CPUS], stdout=subprocess.PIPE, text=True, close_fds=False) as p:
         seen["posix_spawn"] = eval(p.communicate()[0])  # close_fds=False: subprocess may use posix_spawn
-    mine.append(frozenset(os.sched_getaffinity(0)))
+    mine.append(frozenset(cpus._real_affinity(0)))
     for method in ("fork", "spawn"):
         mp = multiprocessing.get_context(method)
         out = mp.SimpleQueue()
@@ -339,7 +383,7 @@ def _started_processes(ctx: Any, tmp: str) -> dict[str, Any]:
         child.start()
         seen[method] = out.get()
         child.join()
-        mine.append(frozenset(os.sched_getaffinity(0)))
+        mine.append(frozenset(cpus._real_affinity(0)))
     seen["mine"] = sorted(set().union(*mine)) if len(set(mine)) == 1 else [sorted(m) for m in mine]
     return seen
 

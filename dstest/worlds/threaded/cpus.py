@@ -17,7 +17,9 @@ Threads a rank starts inherit its CPU. Processes it starts do not: a process inh
 that starts it, so while a pinned thread starts one (``subprocess``, ``os.system``, ``os.posix_spawn``,
 multiprocessing's fork, spawn and fork server, a DataLoader's or torch.compile's workers), the thread is given
 back the CPUs it had before it was pinned, and pinned again once the process is started
-(:func:`children_unpinned`; the hooks are installed when ``one`` is first chosen). Where threads cannot be
+(:func:`children_unpinned`; the hooks are installed when ``one`` is first chosen). What the rank's code
+reads of its CPUs is what a rank process reads: ``os.sched_getaffinity`` asked by a held thread about itself
+answers the CPUs it had before the pin (:func:`_affinity_as_a_process_sees_it`). Where threads cannot be
 pinned (not Linux), ``one`` changes nothing.
 """
 
@@ -39,6 +41,15 @@ __all__ = ["ENV_RANK_CPUS", "children_unpinned", "choose", "held_on", "mode", "o
 
 ENV_RANK_CPUS = "DSTEST_RANK_CPUS"
 _MODES = ("any", "one")
+
+_os_affinity: Callable[[int], set[int]] | None = getattr(os, "sched_getaffinity", None)
+
+
+def _real_affinity(pid: int) -> set[int]:
+    """The CPUs thread ``pid`` may run on, as the operating system says (rank code may be shown others:
+    :func:`_affinity_as_a_process_sees_it`); only where ``os.sched_getaffinity`` exists."""
+    assert _os_affinity is not None
+    return _os_affinity(pid)
 
 
 def mode() -> str:
@@ -110,7 +121,7 @@ def choose() -> int | None:
     global _claimed
     if mode() != "one" or not hasattr(os, "sched_setaffinity"):
         return None
-    allowed = os.sched_getaffinity(0)
+    allowed = _real_affinity(0)
     with _claim_lock:
         if _claimed is not None:
             if _claimed[0] in allowed:
@@ -141,7 +152,7 @@ def children_unpinned() -> Iterator[None]:
     if cpus is None:
         yield
         return
-    mine = os.sched_getaffinity(0)
+    mine = _real_affinity(0)
     with contextlib.suppress(OSError):
         os.sched_setaffinity(0, cpus)
     try:
@@ -187,14 +198,35 @@ def _install_child_hooks() -> None:
         start = getattr(owner, name, None)
         if callable(start) and not hasattr(start, "__dstest_unpinned__"):
             setattr(owner, name, _unpinned(start))
+    if _os_affinity is not None and not hasattr(os.sched_getaffinity, "__dstest_real__"):
+        os.sched_getaffinity = _affinity_as_a_process_sees_it
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(before=_before_fork, after_in_parent=_after_fork)
+
+
+def _affinity_as_a_process_sees_it(pid: int) -> set[int]:
+    """``os.sched_getaffinity`` as a rank's code sees it: asked by a thread dstest holds on the one CPU about
+    itself (pid 0, or its own thread id), the CPUs it had before (those of the process), as a rank process
+    of the process world or under torchrun sees; anything else, the operating system's answer.
+
+    Code sizes its pools by it (a DataLoader warns when ``num_workers`` exceeds it, which fails a test run
+    with warnings as errors): under ``one`` it would otherwise see one CPU where a process sees all. A
+    thread the code itself moved elsewhere (``os.sched_setaffinity``) sees where it is."""
+    real = _real_affinity(pid)
+    if pid == 0 or pid == threading.get_native_id():
+        view: set[int] | None = getattr(_for_children, "cpus", None)
+        if view is not None and real == {getattr(_for_children, "pinned", None)}:
+            return set(view)
+    return real
+
+
+_affinity_as_a_process_sees_it.__dstest_real__ = _os_affinity  # type: ignore[attr-defined]
 
 
 def _before_fork() -> None:
     cpus: set[int] | None = getattr(_for_children, "cpus", None)
     if cpus is not None:
-        _for_children.held = os.sched_getaffinity(0)
+        _for_children.held = _real_affinity(0)
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, cpus)
 
@@ -236,7 +268,7 @@ def start_intra_op_threads(cpu: int | None, on: set[int] | None, world_size: int
 
 def own() -> set[int] | None:
     """The CPUs the calling thread may run on (None where that cannot be asked)."""
-    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    return _real_affinity(0) if _os_affinity is not None else None
 
 
 def pin(cpu: int | None, children: set[int] | None = None) -> None:
@@ -247,6 +279,7 @@ def pin(cpu: int | None, children: set[int] | None = None) -> None:
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, {cpu})
         _for_children.cpus = before
+        _for_children.pinned = cpu
 
 
 @contextlib.contextmanager
@@ -257,12 +290,12 @@ def held_on(cpu: int | None, then: set[int] | None = None) -> Iterator[None]:
     if cpu is None:
         yield
         return
-    after = os.sched_getaffinity(0) if then is None else then
-    outer = getattr(_for_children, "cpus", None)
+    after = _real_affinity(0) if then is None else then
+    outer, outer_pinned = getattr(_for_children, "cpus", None), getattr(_for_children, "pinned", None)
     pin(cpu, children=outer if outer is not None else then)  # a new rank thread's: its caller's own CPUs
     try:
         yield
     finally:
-        _for_children.cpus = outer
+        _for_children.cpus, _for_children.pinned = outer, outer_pinned
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, after)
