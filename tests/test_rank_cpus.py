@@ -116,6 +116,7 @@ def _cpus_seen(ctx: Any, move: bool) -> dict[str, Any]:
     seen = {
         "pid 0": sorted(os.sched_getaffinity(0)),
         "own tid": sorted(os.sched_getaffinity(threading.get_native_id())),
+        "pid": sorted(os.sched_getaffinity(os.getpid())),
         "real": sorted(cpus._real_affinity(0)),
     }
     if move:  # the code moves its own thread (core binding): it sees where it put itself
@@ -139,11 +140,11 @@ def test_on_one_cpu_a_ranks_code_reads_the_cpus_a_rank_process_has(monkeypatch: 
     threaded = ThreadedWorld(warm=warm).run(RunRequest(_cpus_seen, 3, args=(True,)))
     process = dstest.run(_cpus_seen, 3, world="process", args=(False,))
     for seen in threaded:
-        assert seen["pid 0"] == seen["own tid"] == sorted(OWN), seen
+        assert seen["pid 0"] == seen["own tid"] == seen["pid"] == sorted(OWN), seen
         assert len(seen["real"]) == 1 and seen["real"][0] in OWN, seen
         assert seen["moved"][0] == seen["moved"][1], seen
-    assert [{k: s[k] for k in ("pid 0", "own tid")} for s in process] == [
-        {k: s[k] for k in ("pid 0", "own tid")} for s in threaded
+    assert [{k: s[k] for k in ("pid 0", "own tid", "pid")} for s in process] == [
+        {k: s[k] for k in ("pid 0", "own tid", "pid")} for s in threaded
     ]
     assert cpus._real_affinity(0) == OWN and os.sched_getaffinity(0) == OWN  # the caller, after the run
 

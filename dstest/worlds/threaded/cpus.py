@@ -206,14 +206,16 @@ def _install_child_hooks() -> None:
 
 def _affinity_as_a_process_sees_it(pid: int) -> set[int]:
     """``os.sched_getaffinity`` as a rank's code sees it: asked by a thread dstest holds on the one CPU about
-    itself (pid 0, or its own thread id), the CPUs it had before (those of the process), as a rank process
-    of the process world or under torchrun sees; anything else, the operating system's answer.
+    itself or its process (pid 0, its own thread id, ``os.getpid()``), the CPUs it had before (those of the
+    process), as a rank process of the process world or under torchrun sees; anything else, the operating
+    system's answer.
 
     Code sizes its pools by it (a DataLoader warns when ``num_workers`` exceeds it, which fails a test run
     with warnings as errors): under ``one`` it would otherwise see one CPU where a process sees all. A
-    thread the code itself moved elsewhere (``os.sched_setaffinity``) sees where it is."""
+    thread the code itself moved elsewhere (``os.sched_setaffinity``) sees where it is. What reads the
+    affinity in C (``os.process_cpu_count`` from Python 3.13, psutil) still sees the one CPU."""
     real = _real_affinity(pid)
-    if pid == 0 or pid == threading.get_native_id():
+    if pid == 0 or pid == threading.get_native_id() or pid == os.getpid():
         view: set[int] | None = getattr(_for_children, "cpus", None)
         if view is not None and real == {getattr(_for_children, "pinned", None)}:
             return set(view)
