@@ -33,7 +33,7 @@ OWN = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
 def _where(ctx: Any) -> tuple[frozenset[int], frozenset[int], list[float]]:
     """This rank's CPUs, those of a thread it starts, and what a few collectives give."""
     seen: list[frozenset[int]] = []
-    helper = threading.Thread(target=lambda: seen.append(frozenset(os.sched_getaffinity(0))))
+    helper = threading.Thread(target=lambda: seen.append(frozenset(cpus._real_affinity(0))))
     helper.start()
     helper.join()
     t = torch.arange(4, dtype=torch.float32) * (ctx.rank + 1)
@@ -119,6 +119,16 @@ def _cpus_seen(ctx: Any, move: bool) -> dict[str, Any]:
         "pid": sorted(os.sched_getaffinity(os.getpid())),
         "real": sorted(cpus._real_affinity(0)),
     }
+    import subprocess
+
+    def helper() -> None:  # a thread the rank starts, and a process that thread starts
+        seen["helper"] = sorted(os.sched_getaffinity(0))
+        child = subprocess.run([sys.executable, "-c", _CHILD_CPUS], capture_output=True, text=True, check=True)
+        seen["helper's process"] = eval(child.stdout)
+
+    thread = threading.Thread(target=helper)
+    thread.start()
+    thread.join()
     if move:  # the code moves its own thread (core binding): it sees where it put itself
         really = cpus._real_affinity(0)
         target = {max(OWN)} if really != {max(OWN)} else {min(OWN)}
@@ -141,11 +151,11 @@ def test_on_one_cpu_a_ranks_code_reads_the_cpus_a_rank_process_has(monkeypatch: 
     process = dstest.run(_cpus_seen, 3, world="process", args=(False,))
     for seen in threaded:
         assert seen["pid 0"] == seen["own tid"] == seen["pid"] == sorted(OWN), seen
+        assert seen["helper"] == seen["helper's process"] == sorted(OWN), seen
         assert len(seen["real"]) == 1 and seen["real"][0] in OWN, seen
         assert seen["moved"][0] == seen["moved"][1], seen
-    assert [{k: s[k] for k in ("pid 0", "own tid", "pid")} for s in process] == [
-        {k: s[k] for k in ("pid 0", "own tid", "pid")} for s in threaded
-    ]
+    shown = ("pid 0", "own tid", "pid", "helper", "helper's process")
+    assert [{k: s[k] for k in shown} for s in process] == [{k: s[k] for k in shown} for s in threaded]
     assert cpus._real_affinity(0) == OWN and os.sched_getaffinity(0) == OWN  # the caller, after the run
 
 

@@ -13,7 +13,7 @@ large matmuls on four ranks ran 2x slower without that, 0.92x with it. So it is 
 With ``one``, each process claims one CPU for its rank threads, for its life (:func:`choose`): one that no
 other process of the user claimed, so that pytest-xdist's workers each get their own; the caller's thread is
 held on it for each run and given its own CPUs back after.
-Threads a rank starts inherit its CPU. Processes it starts do not: a process inherits the CPUs of the thread
+Threads a rank starts inherit its CPU (and are held as it is: :func:`held_as`). Processes it starts do not: a process inherits the CPUs of the thread
 that starts it, so while a pinned thread starts one (``subprocess``, ``os.system``, ``os.posix_spawn``,
 multiprocessing's fork, spawn and fork server, a DataLoader's or torch.compile's workers), the thread is given
 back the CPUs it had before it was pinned, and pinned again once the process is started
@@ -37,7 +37,18 @@ from typing import IO, Any
 
 from dstest.errors import InvalidArgument
 
-__all__ = ["ENV_RANK_CPUS", "children_unpinned", "choose", "held_on", "mode", "own", "pin", "start_intra_op_threads"]
+__all__ = [
+    "ENV_RANK_CPUS",
+    "children_unpinned",
+    "choose",
+    "held_as",
+    "held_on",
+    "hold_of_this_thread",
+    "mode",
+    "own",
+    "pin",
+    "start_intra_op_threads",
+]
 
 ENV_RANK_CPUS = "DSTEST_RANK_CPUS"
 _MODES = ("any", "one")
@@ -282,6 +293,30 @@ def pin(cpu: int | None, children: set[int] | None = None) -> None:
             os.sched_setaffinity(0, {cpu})
         _for_children.cpus = before
         _for_children.pinned = cpu
+
+
+Hold = tuple[set[int] | None, int | None]
+
+
+def hold_of_this_thread() -> Hold:
+    """How dstest holds the calling thread: (the CPUs its processes get and its code reads, its one CPU), or
+    (None, None) where it does not hold it."""
+    return getattr(_for_children, "cpus", None), getattr(_for_children, "pinned", None)
+
+
+@contextlib.contextmanager
+def held_as(hold: Hold) -> Iterator[None]:
+    """For the block, the calling thread (one a held rank started: it inherited the rank's one CPU) is held as
+    that rank is: the processes it starts get the rank's CPUs, and its code reads them."""
+    if hold[0] is None:
+        yield
+        return
+    outer = hold_of_this_thread()
+    _for_children.cpus, _for_children.pinned = hold
+    try:
+        yield
+    finally:
+        _for_children.cpus, _for_children.pinned = outer
 
 
 @contextlib.contextmanager

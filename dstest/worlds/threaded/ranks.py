@@ -33,6 +33,7 @@ from dstest.worlds import torch_internals
 from dstest.worlds.core.faults import Killed
 from dstest.worlds.request import RunRequest
 from dstest.worlds.stopping import interrupt, stacks_of
+from dstest.worlds.threaded import cpus
 from dstest.worlds.threaded.failures import Outcome, RankKilled, timeout_error
 from dstest.worlds.threaded.group import BACKEND_NAME, binding, translate_group
 from dstest.worlds.threaded.rendezvous import Rendezvous
@@ -166,6 +167,7 @@ def capture_rank_for_thread() -> Callable[[], Any] | None:
     state = torch_internals.current_rank_state()
     ctx = current_context()
     generator = torch_internals.current_generator()  # a process's threads share its generator
+    hold = cpus.hold_of_this_thread()  # under DSTEST_RANK_CPUS=one: the thread starts on the rank's one CPU
 
     @contextlib.contextmanager
     def as_rank() -> Iterator[None]:
@@ -174,7 +176,7 @@ def capture_rank_for_thread() -> Callable[[], Any] | None:
         token = ctx.bind() if ctx is not None else None
         draws = torch_internals.rank_generator(generator) if generator is not None else contextlib.nullcontext()
         try:
-            with draws:
+            with draws, cpus.held_as(hold):
                 yield
         finally:
             if ctx is not None:
