@@ -1,4 +1,5 @@
-"""The threaded world's rank threads on any CPU (the default) against all on one (``DSTEST_RANK_CPUS=one``).
+"""The threaded world's rank threads on any CPU (``DSTEST_RANK_CPUS=any``) against all on one (``one``), and what
+``auto`` (the default) decides on this machine.
 
     python benchmarks/bench_rank_cpus.py [--rounds 3] [--json PATH]
 
@@ -9,7 +10,12 @@ crew made under one setting is replaced when the other is set, so each round's f
 - ``trivial run W=4``: a whole warm run of a body of one all_reduce (median of 300 runs);
 - ``fsdp2 step W=4`` and ``dtensor redistribute W=4``: ``bench_torch_stacks.py``'s bodies, per step;
 - ``large matmuls W=4``: each rank 20 matmuls of 512 x 512 then one all_reduce, per run: work that runs
-  outside the GIL, in parallel on several CPUs when the ranks may use them.
+  outside the GIL, in parallel on several CPUs when the ranks may use them;
+- ``mid elementwise W=4``: each rank 200 multiply-adds of 16,384 elements (below torch's grain: each runs on
+  the rank's own thread, outside the GIL) then one all_reduce, per run;
+- ``small MLP steps W=4`` and ``conv steps W=4``: each rank 5 forward and backward passes of a 3-layer MLP of
+  512 features on a batch of 64 (all_reduce of every gradient), or of a 16 -> 32 channel 3x3 convolution on
+  8 x 32 x 32 inputs, per run.
 
 Ratios are ``any / one`` (above 1: one CPU is faster). What the figures mean depends on the machine's
 CPUs and load; the script prints both.
@@ -50,6 +56,33 @@ def _matmuls(ctx: Any) -> None:
     dist.all_reduce(a)
 
 
+def _elementwise(ctx: Any) -> None:
+    x, y = torch.ones(16384), torch.full((16384,), 0.5)
+    for _ in range(200):
+        x = x * 1.0001 + y
+    dist.all_reduce(x[:4].contiguous())
+
+
+def _mlp(ctx: Any) -> None:
+    torch.manual_seed(ctx.rank)
+    layers = [torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(512, 10))
+    x = torch.randn(64, 512)
+    for _ in range(5):
+        model(x).sum().backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)  # type: ignore[arg-type]
+
+
+def _conv(ctx: Any) -> None:
+    torch.manual_seed(ctx.rank)
+    conv = torch.nn.Conv2d(16, 32, 3)
+    x = torch.randn(8, 16, 32, 32)
+    for _ in range(5):
+        conv(x).sum().backward()
+    dist.all_reduce(conv.weight.grad)  # type: ignore[arg-type]
+
+
 def _per_call(w: int) -> float:
     WORLD.run(RunRequest(_dstest_loop, w, args=("all_reduce", 1024, 50), timeout=600))
     return max(WORLD.run(RunRequest(_dstest_loop, w, args=("all_reduce", 1024, 300), timeout=600)))
@@ -78,6 +111,9 @@ CASES = {
     "fsdp2 step W=4 (ms per step)": lambda: _per_step("fsdp2_step", 4, (10, 64)),
     "dtensor redistribute W=4 (ms per round)": lambda: _per_step("dtensor_redistribute", 4, (20, 64)),
     "large matmuls W=4 (ms per run)": lambda: _per_run(_matmuls, 4, 5),
+    "mid elementwise W=4 (ms per run)": lambda: _per_run(_elementwise, 4, 15),
+    "small MLP steps W=4 (ms per run)": lambda: _per_run(_mlp, 4, 15),
+    "conv steps W=4 (ms per run)": lambda: _per_run(_conv, 4, 15),
 }
 
 
@@ -92,6 +128,9 @@ def main() -> None:
     )
     seen: dict[str, dict[str, list[float]]] = {case: {m: [] for m in MODES} for case in CASES}
     saved = os.environ.get(cpus.ENV_RANK_CPUS)
+    os.environ.pop(cpus.ENV_RANK_CPUS, None)
+    decision = cpus.auto_decision()  # measured here, before any world: what the default does on this machine
+    print(f"auto (the default): {decision.describe()}")
     try:
         for _ in range(args.rounds):
             for mode in MODES:
@@ -111,7 +150,10 @@ def main() -> None:
         rows.append({"case": case, "any_ms": any_s * 1e3, "one_ms": one_s * 1e3, "any_over_one": any_s / one_s})
         print(f"| {case} | {any_s * 1e3:.4g} | {one_s * 1e3:.4g} | {any_s / one_s:.2f}x |")
     if args.json:
-        args.json.write_text(json.dumps({"cpus": usable, "load": os.getloadavg()[0], "rows": rows}, indent=2))
+        auto = {"mode": decision.mode, "ratio": decision.ratio, "reason": decision.reason}
+        args.json.write_text(
+            json.dumps({"cpus": usable, "load": os.getloadavg()[0], "auto": auto, "rows": rows}, indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -172,15 +172,15 @@ def test_a_bad_setting_is_refused_before_any_rank_runs(monkeypatch: pytest.Monke
     for warm in (True, False):
         with pytest.raises(InvalidArgument) as info:
             ThreadedWorld(warm=warm).run(RunRequest(lambda ctx: ran.append(ctx.rank), 2))
-        assert "DSTEST_RANK_CPUS='single': expected 'any' (the default" in str(info.value)
-        assert "or 'one'" in str(info.value)
+        assert "DSTEST_RANK_CPUS='single': expected 'auto' (the default" in str(info.value)
+        assert "'any' (rank threads run on any CPU) or 'one'" in str(info.value)
     assert ran == []
 
 
 def test_the_chosen_cpu_is_one_the_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpus.ENV_RANK_CPUS, "one")
     assert cpus.choose() in OWN
-    monkeypatch.setenv(cpus.ENV_RANK_CPUS, "")
+    monkeypatch.setenv(cpus.ENV_RANK_CPUS, "any")
     assert cpus.mode() == "any" and cpus.choose() is None
     if sys.platform.startswith("linux"):
         assert cpus._current_cpu() in OWN
@@ -267,16 +267,98 @@ def no_claim(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
 
 def test_the_setting_unset_empty_or_cased_reads_as_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(cpus.ENV_RANK_CPUS, raising=False)
-    assert cpus.mode() == "any"
+    assert cpus.setting() == "auto" and cpus.mode() == cpus.auto_decision().mode
+    monkeypatch.setenv(cpus.ENV_RANK_CPUS, "")
+    assert cpus.setting() == "auto"
     monkeypatch.setenv(cpus.ENV_RANK_CPUS, " One ")
     assert cpus.mode() == "one"
+    monkeypatch.setenv(cpus.ENV_RANK_CPUS, "ANY")
+    assert cpus.mode() == "any"
     monkeypatch.setenv(cpus.ENV_RANK_CPUS, "two")
     with pytest.raises(InvalidArgument) as info:
         cpus.mode()
     assert str(info.value) == (
-        "DSTEST_RANK_CPUS='two': expected 'any' (the default: rank threads run on any CPU) or 'one' "
-        "(every rank thread of a world on one CPU)"
+        "DSTEST_RANK_CPUS='two': expected 'auto' (the default: 'one' where a hand-off between threads on two CPUs "
+        "costs this machine much more than on one), 'any' (rank threads run on any CPU) or 'one' (every rank "
+        "thread of a world on one CPU)"
     )
+
+
+@pytest.fixture
+def undecided(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``auto`` not yet decided in this process; the process's own decision put back afterwards."""
+    monkeypatch.setattr(cpus, "_auto", None)
+    monkeypatch.delenv(cpus.ENV_RANK_CPUS, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.skipif(len(OWN) < 2, reason="one CPU only: auto has nothing to choose")
+@pytest.mark.parametrize(
+    ("ratio", "chosen"), [(cpus.AUTO_RATIO, "one"), (cpus.AUTO_RATIO * 0.99, "any"), (40.0, "one")]
+)
+def test_auto_holds_the_ranks_on_one_cpu_where_a_cross_cpu_hand_off_costs_the_ratio(
+    undecided: pytest.MonkeyPatch, ratio: float, chosen: str
+) -> None:
+    """``auto`` (the default): ``one`` from :data:`cpus.AUTO_RATIO` up, measured once per process; the rank
+    threads then run where the decision says, with the values of any CPU."""
+    calls: list[int] = []
+    undecided.setattr(cpus, "on_a_virtual_machine", lambda: False)  # bare metal: measured
+    undecided.setattr(cpus, "handoff_ratio", lambda: calls.append(1) or ratio)
+    assert cpus.decided() is None
+    assert cpus.mode() == chosen and cpus.mode() == chosen and calls == [1]  # measured once
+    decision = cpus.decided()
+    assert decision is not None and decision.mode == chosen and decision.ratio == ratio
+    assert f"took {ratio:.1f}x one on the same CPU here" in decision.describe()
+    assert decision.describe().startswith(f"rank threads on {'one CPU' if chosen == 'one' else 'any CPU'}")
+    held = ThreadedWorld(warm=False).run(RunRequest(_where, 3))
+    assert all(len(mine) == (1 if chosen == "one" else len(OWN)) for mine, _, _ in held)
+    undecided.setenv(cpus.ENV_RANK_CPUS, "any")
+    assert [v for *_, v in ThreadedWorld(warm=False).run(RunRequest(_where, 3))] == [v for *_, v in held]
+
+
+@pytest.mark.skipif(len(OWN) < 2, reason="one CPU only: auto has nothing to choose")
+def test_auto_holds_the_ranks_on_one_cpu_on_a_virtual_machine_without_measuring(undecided: pytest.MonkeyPatch) -> None:
+    undecided.setattr(cpus, "on_a_virtual_machine", lambda: True)
+    undecided.setattr(cpus, "handoff_ratio", lambda: pytest.fail("measured on a virtual machine"))
+    decision = cpus.auto_decision()
+    assert (decision.mode, decision.ratio) == ("one", None) and cpus.mode() == "one"
+    assert decision.describe() == (
+        "rank threads on one CPU (DSTEST_RANK_CPUS=auto: a virtual machine (the CPUs' hypervisor flag): an idle "
+        "CPU wakes slowly)"
+    )
+
+
+def test_a_virtual_machine_is_read_from_the_cpus_hypervisor_flag(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    import builtins
+
+    real_open = builtins.open
+    for flags, expected in (("fpu vme de hypervisor lahf_lm", True), ("fpu vme de lahf_lm", False)):
+        info = tmp_path / f"cpuinfo-{expected}"
+        info.write_text(f"processor\t: 0\nmodel name\t: x\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(
+            builtins, "open", lambda path, *a, _i=info, **k: real_open(_i if path == "/proc/cpuinfo" else path, *a, **k)
+        )
+        assert cpus.on_a_virtual_machine() is expected
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: (_ for _ in ()).throw(OSError("no /proc")))
+    assert cpus.on_a_virtual_machine() is False
+
+
+def test_auto_does_not_measure_where_the_process_has_one_cpu(undecided: pytest.MonkeyPatch) -> None:
+    undecided.setattr(cpus, "handoff_ratio", lambda: pytest.fail("measured with one CPU"))
+    undecided.setattr(cpus, "_real_affinity", lambda pid: {min(OWN)})
+    decision = cpus.auto_decision()
+    assert (decision.mode, decision.ratio, decision.reason) == ("any", None, "this process has one CPU")
+
+
+@pytest.mark.skipif(len(OWN) < 2, reason="one CPU only")
+def test_the_hand_off_measure_gives_the_callers_cpus_back_and_leaves_no_thread() -> None:
+    before = {t.ident for t in threading.enumerate()}
+    ratio = cpus.handoff_ratio(trips=20, rounds=1)
+    assert ratio > 0
+    assert cpus._real_affinity(0) == OWN
+    assert {t.ident for t in threading.enumerate()} == before
 
 
 @pytest.mark.skipif(len(OWN) < 2, reason="one CPU only")
@@ -416,3 +498,29 @@ def test_on_one_cpu_the_processes_a_rank_starts_get_every_cpu_and_the_rank_stays
         mine = rank_seen.pop("mine")
         assert len(mine) == 1, mine  # one CPU, the same after every start
         assert rank_seen == {k: sorted(OWN) for k in rank_seen}, rank_seen
+
+
+def test_with_v_the_session_says_where_auto_held_the_rank_threads_and_why(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytester.makepyfile(
+        test_spec="""
+        import dstest, torch, torch.distributed as dist
+
+        @dstest.spec(world_size=[2], worlds=["threaded"])
+        def test_sum(ctx):
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            assert t.item() == 2
+        """
+    )
+    monkeypatch.delenv(cpus.ENV_RANK_CPUS, raising=False)  # the default, auto: the child decides for itself
+    result = pytester.runpytest_subprocess("-v", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    result.stdout.re_match_lines(
+        [
+            r"dstest: rank threads on (one|any) CPU \(DSTEST_RANK_CPUS=auto: (a hand-off between threads on two CPUs "
+            r"took [0-9.]+x one on the same CPU here|this process has one CPU|threads cannot be pinned here|"
+            r"a virtual machine \(the CPUs' hypervisor flag\): an idle CPU wakes slowly)\)"
+        ]
+    )

@@ -378,6 +378,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         terminalreporter.line(
             f'mark them @dstest.spec(worlds=["process"]) (or give {OPT_THREADS_ALONE} to keep the threaded verdict)'
         )
+    _report_rank_cpus(terminalreporter, config)
     reports = terminalreporter.stats.get(DEVIATION, [])
     if not reports or config.option.tbstyle == "no":
         return
@@ -392,6 +393,17 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         for report in reports:
             lines = [ln for ln in report.longreprtext.splitlines() if ln.startswith("E ")]
             terminalreporter.line(f"DEV {report.nodeid} - {lines[0][1:].strip() if lines else ''}")
+
+
+def _report_rank_cpus(terminalreporter: Any, config: pytest.Config) -> None:
+    """With ``-v``: where this process held the threaded world's rank threads under ``DSTEST_RANK_CPUS=auto``
+    (the default), and why; timings of the threaded world depend on it."""
+    import sys
+
+    cpus = sys.modules.get("dstest.worlds.threaded.cpus")  # not imported: no threaded world ran (nor torch)
+    decision = cpus.decided() if cpus is not None else None
+    if decision is not None and config.option.verbose > 0:
+        terminalreporter.line(f"dstest: {decision.describe()}")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -1,4 +1,5 @@
-"""Where a threaded world's rank threads run: on any CPU (the default), or all on one (``DSTEST_RANK_CPUS=one``).
+"""Where a threaded world's rank threads run: on any CPU, or all on one; ``DSTEST_RANK_CPUS`` = ``auto`` (the
+default: decided per process by measuring the machine), ``any`` or ``one``.
 
 Rank threads hand the GIL to one another at every collective. On a machine with a CPU to spare, a woken rank
 thread is started on the idle CPU, which must first wake up itself, and then finds the GIL held: every
@@ -7,8 +8,14 @@ the caller of ``run`` on one CPU, a hand-off is a switch on that CPU: small coll
 DTensor redistributions of small models ran 2.2-3x faster here. What runs outside the GIL in parallel (the large
 tensor operations of several ranks at once) then shares that one CPU, except what torch splits over its
 intra-op threads, which each rank starts before it is pinned (:func:`start_intra_op_threads`): a body of
-large matmuls on four ranks ran 2x slower without that, 0.92x with it. So it is a choice, per process:
-``any`` (default) or ``one``.
+large matmuls on four ranks ran 2x slower without that, 0.92-1.0x with it; bodies of mid-sized elementwise
+work, a small MLP's or a convolution's steps ran 1.1-2.1x faster. Where an idle CPU wakes quickly (bare
+metal), the hand-offs cost little and the rank threads' own parallel work may count for more; that was not
+measured. So ``auto`` decides, once per process (:func:`auto_decision`): ``one`` on a virtual machine
+(:func:`on_a_virtual_machine`); elsewhere it times a GIL hand-off between two threads free to run on any CPU
+against one between two threads on the caller's CPU (:func:`handoff_ratio`, 10-20 ms) and holds the rank
+threads on one CPU where the first costs :data:`AUTO_RATIO` times the second or more. With ``-v`` a test
+session says what it chose.
 
 With ``one``, each process claims one CPU for its rank threads, for its life (:func:`choose`): one that no
 other process of the user claimed, so that pytest-xdist's workers each get their own; the caller's thread is
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import os
 import tempfile
@@ -38,20 +46,27 @@ from typing import IO, Any
 from dstest.errors import InvalidArgument
 
 __all__ = [
+    "AUTO_RATIO",
     "ENV_RANK_CPUS",
+    "AutoDecision",
+    "auto_decision",
     "children_unpinned",
     "choose",
+    "decided",
+    "handoff_ratio",
     "held_as",
     "held_on",
     "hold_of_this_thread",
     "mode",
+    "on_a_virtual_machine",
     "own",
     "pin",
+    "setting",
     "start_intra_op_threads",
 ]
 
 ENV_RANK_CPUS = "DSTEST_RANK_CPUS"
-_MODES = ("any", "one")
+_SETTINGS = ("auto", "any", "one")
 
 _os_affinity: Callable[[int], set[int]] | None = getattr(os, "sched_getaffinity", None)
 
@@ -63,15 +78,153 @@ def _real_affinity(pid: int) -> set[int]:
     return _os_affinity(pid)
 
 
-def mode() -> str:
-    """``any`` or ``one``, from ``DSTEST_RANK_CPUS``; raises :class:`InvalidArgument` naming what is allowed."""
-    raw = os.environ.get(ENV_RANK_CPUS, "").strip().lower() or "any"
-    if raw not in _MODES:
+def setting() -> str:
+    """``DSTEST_RANK_CPUS`` as given: ``auto`` (the default), ``any`` or ``one``; raises
+    :class:`InvalidArgument` naming what is allowed."""
+    raw = os.environ.get(ENV_RANK_CPUS, "").strip().lower() or "auto"
+    if raw not in _SETTINGS:
         raise InvalidArgument(
-            f"{ENV_RANK_CPUS}={raw!r}: expected 'any' (the default: rank threads run on any CPU) or 'one' "
+            f"{ENV_RANK_CPUS}={raw!r}: expected 'auto' (the default: 'one' where a hand-off between threads on "
+            "two CPUs costs this machine much more than on one), 'any' (rank threads run on any CPU) or 'one' "
             "(every rank thread of a world on one CPU)"
         )
     return raw
+
+
+def mode() -> str:
+    """Where the rank threads run: ``any`` or ``one``, from ``DSTEST_RANK_CPUS``; ``auto`` is decided once per
+    process by measuring this machine (:func:`auto_decision`)."""
+    raw = setting()
+    return raw if raw != "auto" else auto_decision().mode
+
+
+#: ``auto`` holds the rank threads on one CPU where a GIL hand-off between two threads on different CPUs
+#: takes at least this many times one between two threads on the same CPU.
+AUTO_RATIO = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoDecision:
+    """What ``DSTEST_RANK_CPUS=auto`` chose in this process, and why."""
+
+    mode: str  # "any" or "one"
+    #: A hand-off's median time between threads on any CPU over that between threads on one (None: not measured).
+    ratio: float | None
+    reason: str
+
+    def describe(self) -> str:
+        return f"rank threads on {'one CPU' if self.mode == 'one' else 'any CPU'} ({ENV_RANK_CPUS}=auto: {self.reason})"
+
+
+_auto: AutoDecision | None = None
+_auto_lock = threading.Lock()
+
+
+def auto_decision() -> AutoDecision:
+    """The process's ``auto`` decision, made on first use: ``any`` where threads cannot be pinned or the
+    process has one CPU; ``one`` on a virtual machine (an idle CPU wakes slowly there, and rank threads hand
+    the GIL to one another at every collective); elsewhere ``one`` where :func:`handoff_ratio` is at least
+    :data:`AUTO_RATIO`, else ``any``."""
+    global _auto
+    with _auto_lock:
+        if _auto is None:
+            _auto = _decide()
+        return _auto
+
+
+def decided() -> AutoDecision | None:
+    """The ``auto`` decision if this process made one (for a session's summary), else None."""
+    return _auto
+
+
+def _decide() -> AutoDecision:
+    if _os_affinity is None or not hasattr(os, "sched_setaffinity"):
+        return AutoDecision("any", None, "threads cannot be pinned here")
+    if len(_real_affinity(0)) < 2:
+        return AutoDecision("any", None, "this process has one CPU")
+    if on_a_virtual_machine():
+        return AutoDecision("one", None, "a virtual machine (the CPUs' hypervisor flag): an idle CPU wakes slowly")
+    ratio = handoff_ratio()
+    chosen = "one" if ratio >= AUTO_RATIO else "any"
+    return AutoDecision(
+        chosen, ratio, f"a hand-off between threads on two CPUs took {ratio:.1f}x one on the same CPU here"
+    )
+
+
+def on_a_virtual_machine() -> bool:
+    """Whether the CPUs say they run under a hypervisor (x86's ``hypervisor`` flag in ``/proc/cpuinfo``).
+
+    There, a thread woken on an idle CPU waits for the hypervisor to run that CPU again: measured on a 2-CPU
+    VM, a GIL hand-off between threads on two CPUs took 9-14x one on the same CPU when the machine was quiet.
+    The hand-off measure itself is not used there: while any thread of the machine keeps a CPU busy (torch's
+    OpenMP threads spin for a while after a parallel operation, another pytest-xdist worker), both ways cost
+    the same (measured 1.0x), so a process's decision would depend on what ran just before it."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"flags"):
+                    return b" hypervisor" in line
+    except OSError:
+        pass
+    return False
+
+
+def handoff_ratio(trips: int = 100, rounds: int = 2) -> float:
+    """Median time of a GIL hand-off between two threads that may run on any CPU, over the same between two
+    threads held on the caller's CPU: a ping-pong of ``trips`` round trips per round through two locks, the
+    two ways alternating for ``rounds`` rounds (about 10-30 ms in all). The caller's own CPUs are given back."""
+    import _thread
+    import time
+
+    mine = _real_affinity(0)
+    here = _current_cpu()
+    here = here if here in mine else min(mine)
+    ping, pong = _thread.allocate_lock(), _thread.allocate_lock()
+    ping.acquire()
+    pong.acquire()
+    place: list[set[int]] = [mine]
+    stop = False
+
+    def partner() -> None:
+        while True:
+            ping.acquire()
+            if stop:
+                return
+            with contextlib.suppress(OSError):
+                if _real_affinity(0) != place[0]:
+                    os.sched_setaffinity(0, place[0])
+            pong.release()
+
+    thread = threading.Thread(target=partner, name="dstest-cpu-probe", daemon=True)
+    thread.start()
+    times: dict[str, list[int]] = {"any": [], "one": []}
+    try:
+        for _ in range(rounds):
+            for way in ("any", "one"):
+                place[0] = mine if way == "any" else {here}
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(0, place[0])
+                for trip in range(trips + 10):
+                    start = time.perf_counter_ns()
+                    ping.release()
+                    pong.acquire()
+                    if trip >= 10:  # the first trips move the partner
+                        times[way].append(time.perf_counter_ns() - start)
+    finally:
+        stop = True
+        ping.release()
+        thread.join(1.0)
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, mine)
+    times["any"].sort()
+    times["one"].sort()
+    one = times["one"][len(times["one"]) // 2]
+    return times["any"][len(times["any"]) // 2] / max(one, 1)
+
+
+def _forget_auto() -> None:  # a forked child decides for itself (its CPUs may differ)
+    global _auto
+    _auto = None
 
 
 def _current_cpu() -> int | None:
@@ -96,10 +249,6 @@ _claim_lock = threading.Lock()
 def _forget_claim() -> None:  # a forked child holds no claim of its own (the parent's lock stays the parent's)
     global _claimed
     _claimed = None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_claim)
 
 
 def _claim(cpu: int) -> IO[bytes] | None:
@@ -336,3 +485,8 @@ def held_on(cpu: int | None, then: set[int] | None = None) -> Iterator[None]:
         _for_children.cpus, _for_children.pinned = outer, outer_pinned
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, after)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_claim)
+    os.register_at_fork(after_in_child=_forget_auto)
