@@ -524,3 +524,42 @@ def test_with_v_the_session_says_where_auto_held_the_rank_threads_and_why(
             r"a virtual machine \(the CPUs' hypervisor flag\): an idle CPU wakes slowly)\)"
         ]
     )
+
+
+def _bind_to_a_core(ctx: Any) -> None:
+    os.sched_setaffinity(0, {max(OWN)})  # as a launcher's --bind-to-core, or DeepSpeed's --bind_cores_to_rank
+
+
+@pytest.mark.skipif(len(OWN) < 2, reason="needs two CPUs to tell one CPU from all")
+@pytest.mark.parametrize("mode", ["any", "one"])
+def test_a_run_that_binds_its_ranks_to_a_core_leaves_the_next_run_where_a_new_thread_starts(
+    monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """E4: a warm crew's rank threads serve one test after another; one whose code bound its thread to a core
+    (``os.sched_setaffinity``) is put back on the crew's CPUs before the next run, as a new thread (and a fresh
+    process) would start there."""
+    monkeypatch.setenv(cpus.ENV_RANK_CPUS, mode)
+    world = ThreadedWorld(warm=True)
+    before = world.run(RunRequest(_where, 3))
+    world.run(RunRequest(_bind_to_a_core, 3))
+    after = world.run(RunRequest(_where, 3))
+    assert [mine for mine, _, _ in after] == [mine for mine, _, _ in before]
+    assert all(mine == (OWN if mode == "any" else mine) for mine, _, _ in after)
+
+
+@pytest.mark.skipif(len(OWN) < 2, reason="needs two CPUs to tell one CPU from all")
+def test_a_parked_thread_a_run_bound_to_a_core_serves_the_next_run_on_every_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dstest.worlds.threaded import parked
+
+    monkeypatch.setenv("DSTEST_PARKED_THREADS", str(parked.PARK_FROM))
+    monkeypatch.setenv(cpus.ENV_RANK_CPUS, "any")
+    world = ThreadedWorld(warm=False)
+    try:
+        world.run(RunRequest(_bind_to_a_core, parked.PARK_FROM))
+        assert parked.parked_threads() == parked.PARK_FROM
+        later = world.run(RunRequest(_own_cpus, parked.PARK_FROM))
+        assert set(later) == {frozenset(OWN)}
+    finally:
+        parked.shutdown_parked()

@@ -212,9 +212,14 @@ def test_a_fresh_process_scope_puts_back_what_the_test_left_and_names_each_thing
         torch.set_default_dtype(torch.float64)
         torch.set_num_threads(threads + 1)
         torch.set_printoptions(precision=2)
+        own = os.sched_getaffinity(0)
+        bound = {min(own)} if len(own) > 1 else own
+        os.sched_setaffinity(0, bound)  # binding the rank to a core, as launchers' --bind options do
     found, unusable = take_pending()
+    moved = [f"CPU affinity: {sorted(own)} -> {sorted(bound)} by the run; put back"] if bound != own else []
     assert sorted(found) == sorted(
         [
+            *moved,
             "scoped_tests.SEEN: its list changed in place; contents put back",
             "scoped_tests.TABLE: a list inside it changed in place; contents put back",
             "scoped_tests.ADDED: added by the run (bool); removed",
@@ -238,6 +243,7 @@ def test_a_fresh_process_scope_puts_back_what_the_test_left_and_names_each_thing
     assert "/dstest-scope-left" not in sys.path and os.environ["DSTEST_SCOPE_SET"] == "before" and os.getcwd() == cwd
     assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
     assert (torch.get_default_dtype(), torch.get_num_threads(), str(torch.ones(1) / 3)) == (dtype, threads, printed)
+    assert os.sched_getaffinity(0) == own
 
 
 def test_a_scope_with_nothing_changed_reports_nothing(user_code) -> None:

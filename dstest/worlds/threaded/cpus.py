@@ -50,6 +50,7 @@ __all__ = [
     "ENV_RANK_CPUS",
     "AutoDecision",
     "auto_decision",
+    "back_on",
     "children_unpinned",
     "choose",
     "decided",
@@ -433,6 +434,15 @@ def own() -> set[int] | None:
     return _real_affinity(0) if _os_affinity is not None else None
 
 
+def back_on(home: set[int] | None) -> None:
+    """The calling thread (a warm or parked rank thread between runs) on the CPUs ``home`` again, where a run
+    moved it (code that binds its rank to cores): the next run, another test's, starts where a new thread
+    would. One system call when nothing moved."""
+    if home is not None and _real_affinity(0) != home:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, home)
+
+
 def pin(cpu: int | None, children: set[int] | None = None) -> None:
     """Hold the calling thread on ``cpu`` (None: leave it where it may run); the processes it starts get
     ``children`` (default: the CPUs it had)."""
@@ -472,9 +482,12 @@ def held_as(hold: Hold) -> Iterator[None]:
 def held_on(cpu: int | None, then: set[int] | None = None) -> Iterator[None]:
     """The calling thread held on ``cpu`` for the block; after it, on ``then`` (default: the CPUs it had).
     A cold run's rank thread, made while its caller was held, gets the caller's own CPUs (``then``): a
-    parked thread serves later runs on them, whatever this run's setting."""
+    parked thread serves later runs on them, whatever this run's setting, and wherever the run's code moved it."""
     if cpu is None:
-        yield
+        try:
+            yield
+        finally:
+            back_on(then)
         return
     after = _real_affinity(0) if then is None else then
     outer, outer_pinned = getattr(_for_children, "cpus", None), getattr(_for_children, "pinned", None)

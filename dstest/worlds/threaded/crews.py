@@ -67,7 +67,8 @@ def thread_count_setting(name: str, default: int, zero: str) -> int:
 class WarmCrew:
     """Rank threads with their default process group already formed, serving one run after another.
 
-    A run that succeeds leaves the crew ready (groups it created destroyed, grad mode restored); a run
+    A run that succeeds leaves the crew ready (groups it created destroyed, grad mode restored, a rank thread
+    its code bound to cores put back on the crew's CPUs); a run
     that fails, times out or leaves a transfer unmatched retires the crew, so nothing of it survives.
     """
 
@@ -109,6 +110,7 @@ class WarmCrew:
         ranks.batch_scheduling()
         cpus.start_intra_op_threads(self.cpu, self._callers_cpus, self.world_size)
         cpus.pin(self.cpu, children=self._callers_cpus)  # the processes a rank starts get the caller's CPUs
+        home = cpus.own()
         try:
             with rank_process_group(self._c10d, self.rendezvous, rank, self.device, timedelta(days=1)):
                 self._defaults[rank] = dist.group.WORLD
@@ -123,17 +125,19 @@ class WarmCrew:
                         self.broken = True
                         self._phase.done(rank)
                         return
-                    self._reset_rank(fresh)
+                    self._reset_rank(fresh, home)
                     self._phase.done(rank)
         except BaseException as exc:
             self._phase.done(rank, exc)
 
-    def _reset_rank(self, fresh: torch_internals.FreshRunState) -> None:
-        """Undo what a run leaves on its rank thread: subgroups, their names and store keys, grad mode."""
+    def _reset_rank(self, fresh: torch_internals.FreshRunState, home: set[int] | None) -> None:
+        """Undo what a run leaves on its rank thread: subgroups, their names and store keys, grad mode, the
+        CPUs it may run on."""
         torch_internals.drop_subgroups()
         fresh.end()
         if not torch.is_grad_enabled():
             torch.set_grad_enabled(True)
+        cpus.back_on(home)
 
     def run(self, request: RunRequest, recorder: _trace.Recorder, make_ctx: Callable[[int], RankContext]) -> list[Any]:
         rendezvous = self.rendezvous

@@ -1,5 +1,5 @@
 """The process around a test: ``sys.path``, ``sys.modules``, the environment, the working directory, Python's
-signal handlers and torch's global settings, taken at one moment (:func:`take_process_state`) and put back
+signal handlers, the CPUs the test's thread may run on and torch's global settings, taken at one moment (:func:`take_process_state`) and put back
 (:func:`restore_process_state`), each difference named. ``sys.modules`` keeps the libraries a run imported
 and drops the user's own modules, which a fresh process would import anew.
 """
@@ -23,7 +23,7 @@ _MISSING = object()
 class ProcessState:
     """What a process-wide state was at one moment; a part taken as None is not compared."""
 
-    __slots__ = ("cwd", "environ", "modules", "path", "path_list", "signals", "torch")
+    __slots__ = ("affinity", "cwd", "environ", "modules", "path", "path_list", "signals", "torch")
 
     def __init__(
         self,
@@ -33,6 +33,7 @@ class ProcessState:
         cwd: str | None = None,
         signals: dict[int, Any] | None = None,
         torch: dict[str, Any] | None = None,
+        affinity: set[int] | None = None,
     ) -> None:
         self.modules = modules
         self.path_list = sys.path
@@ -41,6 +42,7 @@ class ProcessState:
         self.cwd = cwd
         self.signals = signals
         self.torch = torch
+        self.affinity = affinity
 
 
 def take_process_state(*, environ: bool = True) -> ProcessState:
@@ -52,6 +54,7 @@ def take_process_state(*, environ: bool = True) -> ProcessState:
         os.getcwd() if environ else None,
         _signal_handlers(),
         {label: get() for label, get, _ in _torch_switches()},
+        _affinity(),
     )
 
 
@@ -73,7 +76,31 @@ def restore_process_state(
         _restore_signals(saved.signals, found, unusable)
     if saved.torch is not None:
         _restore_torch(saved.torch, found, unusable)
+    if saved.affinity is not None:
+        found.extend(_restore_affinity(saved.affinity))
     return found, "; ".join(unusable) or None
+
+
+def _affinity() -> set[int] | None:
+    """The CPUs the calling thread may run on (where that can be asked)."""
+    get = getattr(os, "sched_getaffinity", None)
+    if get is None:
+        return None
+    try:
+        return set(get(0))
+    except OSError:
+        return None
+
+
+def _restore_affinity(saved: set[int]) -> list[str]:
+    """The calling thread's CPUs as saved: code that binds its rank to cores (``os.sched_setaffinity``) would
+    otherwise leave the next test of the worker on them, where a fresh process has every CPU."""
+    now = _affinity()
+    if now is None or now == saved:
+        return []
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, saved)
+    return [f"CPU affinity: {sorted(saved)} -> {sorted(now)} by the run; put back"]
 
 
 def _restore_path(saved: ProcessState) -> list[str]:
@@ -333,4 +360,3 @@ def _library_dirs() -> tuple[str, ...]:
 
 
 _LIBRARY_DIRS: list[str] = []
-
