@@ -1,5 +1,5 @@
 """Where a threaded world's rank threads run: on any CPU, or all on one; ``DSTEST_RANK_CPUS`` = ``auto`` (the
-default: decided per process by measuring the machine), ``any`` or ``one``.
+default: decided once per process from the machine), ``any`` or ``one``.
 
 Rank threads hand the GIL to one another at every collective. On a machine with a CPU to spare, a woken rank
 thread is started on the idle CPU, which must first wake up itself, and then finds the GIL held: every
@@ -20,10 +20,11 @@ session says what it chose.
 With ``one``, each process claims one CPU for its rank threads, for its life (:func:`choose`): one that no
 other process of the user claimed, so that pytest-xdist's workers each get their own; the caller's thread is
 held on it for each run and given its own CPUs back after.
-Threads a rank starts inherit its CPU (and are held as it is: :func:`held_as`). Processes it starts do not: a process inherits the CPUs of the thread
-that starts it, so while a pinned thread starts one (``subprocess``, ``os.system``, ``os.posix_spawn``,
-multiprocessing's fork, spawn and fork server, a DataLoader's or torch.compile's workers), the thread is given
-back the CPUs it had before it was pinned, and pinned again once the process is started
+Threads a rank starts inherit its CPU (and are held as it is: :func:`held_as`). Processes it starts do not: a
+process inherits the CPUs of the thread that starts it, so while a pinned thread starts one (``subprocess``,
+``os.system``, ``os.posix_spawn``, multiprocessing's fork, spawn and fork server, a DataLoader's or
+torch.compile's workers), the thread is given back the CPUs it had before it was pinned, and pinned again once
+the process is started
 (:func:`children_unpinned`; the hooks are installed when ``one`` is first chosen). What the rank's code
 reads of its CPUs is what a rank process reads: ``os.sched_getaffinity`` asked by a held thread about itself
 answers the CPUs it had before the pin (:func:`_affinity_as_a_process_sees_it`). Where threads cannot be

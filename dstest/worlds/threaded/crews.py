@@ -68,8 +68,8 @@ class WarmCrew:
     """Rank threads with their default process group already formed, serving one run after another.
 
     A run that succeeds leaves the crew ready (groups it created destroyed, grad mode restored, a rank thread
-    its code bound to cores put back on the crew's CPUs); a run
-    that fails, times out or leaves a transfer unmatched retires the crew, so nothing of it survives.
+    its code bound to cores put back on the crew's CPUs); a run that fails, times out or leaves a transfer
+    unmatched retires the crew, so nothing of it survives.
     """
 
     def __init__(self, world_size: int, device: torch.device) -> None:

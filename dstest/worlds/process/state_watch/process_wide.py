@@ -1,7 +1,8 @@
 """The process around a test: ``sys.path``, ``sys.modules``, the environment, the working directory, Python's
-signal handlers, the CPUs the test's thread may run on and torch's global settings, taken at one moment (:func:`take_process_state`) and put back
-(:func:`restore_process_state`), each difference named. ``sys.modules`` keeps the libraries a run imported
-and drops the user's own modules, which a fresh process would import anew.
+signal handlers, the CPUs the test's thread may run on and torch's global settings, taken at one moment
+(:func:`take_process_state`) and put back (:func:`restore_process_state`), each difference named.
+``sys.modules`` keeps the libraries a run imported and drops the user's own modules, which a fresh process
+would import anew.
 """
 
 from __future__ import annotations
