@@ -45,6 +45,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from dstest.errors import InvalidArgument
+from dstest.worlds.threaded.cpu_probe import current_cpu as _current_cpu
+from dstest.worlds.threaded.cpu_probe import handoff_ratio, on_a_virtual_machine, os_affinity
+from dstest.worlds.threaded.cpu_probe import real_affinity as _real_affinity
 
 __all__ = [
     "AUTO_RATIO",
@@ -69,15 +72,6 @@ __all__ = [
 
 ENV_RANK_CPUS = "DSTEST_RANK_CPUS"
 _SETTINGS = ("auto", "any", "one")
-
-_os_affinity: Callable[[int], set[int]] | None = getattr(os, "sched_getaffinity", None)
-
-
-def _real_affinity(pid: int) -> set[int]:
-    """The CPUs thread ``pid`` may run on, as the operating system says (rank code may be shown others:
-    :func:`_affinity_as_a_process_sees_it`); only where ``os.sched_getaffinity`` exists."""
-    assert _os_affinity is not None
-    return _os_affinity(pid)
 
 
 def setting() -> str:
@@ -140,7 +134,7 @@ def decided() -> AutoDecision | None:
 
 
 def _decide() -> AutoDecision:
-    if _os_affinity is None or not hasattr(os, "sched_setaffinity"):
+    if os_affinity is None or not hasattr(os, "sched_setaffinity"):
         return AutoDecision("any", None, "threads cannot be pinned here")
     if len(_real_affinity(0)) < 2:
         return AutoDecision("any", None, "this process has one CPU")
@@ -153,94 +147,9 @@ def _decide() -> AutoDecision:
     )
 
 
-def on_a_virtual_machine() -> bool:
-    """Whether the CPUs say they run under a hypervisor (x86's ``hypervisor`` flag in ``/proc/cpuinfo``).
-
-    There, a thread woken on an idle CPU waits for the hypervisor to run that CPU again: measured on a 2-CPU
-    VM, a GIL hand-off between threads on two CPUs took 9-14x one on the same CPU when the machine was quiet.
-    The hand-off measure itself is not used there: while any thread of the machine keeps a CPU busy (torch's
-    OpenMP threads spin for a while after a parallel operation, another pytest-xdist worker), both ways cost
-    the same (measured 1.0x), so a process's decision would depend on what ran just before it."""
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"flags"):
-                    return b" hypervisor" in line
-    except OSError:
-        pass
-    return False
-
-
-def handoff_ratio(trips: int = 100, rounds: int = 2) -> float:
-    """Median time of a GIL hand-off between two threads that may run on any CPU, over the same between two
-    threads held on the caller's CPU: a ping-pong of ``trips`` round trips per round through two locks, the
-    two ways alternating for ``rounds`` rounds (about 10-30 ms in all). The caller's own CPUs are given back."""
-    import _thread
-    import time
-
-    mine = _real_affinity(0)
-    here = _current_cpu()
-    here = here if here in mine else min(mine)
-    ping, pong = _thread.allocate_lock(), _thread.allocate_lock()
-    ping.acquire()
-    pong.acquire()
-    place: list[set[int]] = [mine]
-    stop = False
-
-    def partner() -> None:
-        while True:
-            ping.acquire()
-            if stop:
-                return
-            with contextlib.suppress(OSError):
-                if _real_affinity(0) != place[0]:
-                    os.sched_setaffinity(0, place[0])
-            pong.release()
-
-    thread = threading.Thread(target=partner, name="dstest-cpu-probe", daemon=True)
-    thread.start()
-    times: dict[str, list[int]] = {"any": [], "one": []}
-    try:
-        for _ in range(rounds):
-            for way in ("any", "one"):
-                place[0] = mine if way == "any" else {here}
-                with contextlib.suppress(OSError):
-                    os.sched_setaffinity(0, place[0])
-                for trip in range(trips + 10):
-                    start = time.perf_counter_ns()
-                    ping.release()
-                    pong.acquire()
-                    if trip >= 10:  # the first trips move the partner
-                        times[way].append(time.perf_counter_ns() - start)
-    finally:
-        stop = True
-        ping.release()
-        thread.join(1.0)
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, mine)
-    times["any"].sort()
-    times["one"].sort()
-    one = times["one"][len(times["one"]) // 2]
-    return times["any"][len(times["any"]) // 2] / max(one, 1)
-
-
 def _forget_auto() -> None:  # a forked child decides for itself (its CPUs may differ)
     global _auto
     _auto = None
-
-
-def _current_cpu() -> int | None:
-    """The CPU the calling thread runs on now (Linux: the 39th field of its ``stat``), or None."""
-    try:
-        with open("/proc/thread-self/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2 :].split()  # after the command name, which may hold spaces
-    try:
-        return int(fields[36])  # field 39 of the whole line; the first two (pid, comm) are cut
-    except (IndexError, ValueError):
-        return None
 
 
 #: The CPU this process's rank threads share under ``one``, and the open file whose lock claims it.
@@ -360,7 +269,7 @@ def _install_child_hooks() -> None:
         start = getattr(owner, name, None)
         if callable(start) and not hasattr(start, "__dstest_unpinned__"):
             setattr(owner, name, _unpinned(start))
-    if _os_affinity is not None and not hasattr(os.sched_getaffinity, "__dstest_real__"):
+    if os_affinity is not None and not hasattr(os.sched_getaffinity, "__dstest_real__"):
         os.sched_getaffinity = _affinity_as_a_process_sees_it
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(before=_before_fork, after_in_parent=_after_fork)
@@ -384,7 +293,7 @@ def _affinity_as_a_process_sees_it(pid: int) -> set[int]:
     return real
 
 
-_affinity_as_a_process_sees_it.__dstest_real__ = _os_affinity  # type: ignore[attr-defined]
+_affinity_as_a_process_sees_it.__dstest_real__ = os_affinity  # type: ignore[attr-defined]
 
 
 def _before_fork() -> None:
@@ -432,7 +341,7 @@ def start_intra_op_threads(cpu: int | None, on: set[int] | None, world_size: int
 
 def own() -> set[int] | None:
     """The CPUs the calling thread may run on (None where that cannot be asked)."""
-    return _real_affinity(0) if _os_affinity is not None else None
+    return _real_affinity(0) if os_affinity is not None else None
 
 
 def back_on(home: set[int] | None) -> None:
