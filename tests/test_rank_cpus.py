@@ -68,21 +68,29 @@ def test_one_cpu_holds_every_rank_and_its_threads_on_one_cpu_with_the_same_value
     assert all(mine == set(OWN) for mine, _, _ in again)
 
 
-def _native_threads_on(cpu: int) -> list[int]:
-    """The threads of this process that Python did not start (torch's intra-op threads) held on ``cpu`` alone."""
+def _native_threads_on(cpu: int) -> list[str]:
+    """The threads of this process that Python did not start (torch's intra-op threads) held on ``cpu`` alone,
+    by id and name.
+
+    Not autograd's device threads (``pt_autograd_<n>``, one per device of CUDA builds): torch starts them once
+    per process, from whichever thread first needs them; started by a rank thread held on one CPU (an earlier
+    test's FSDP or DDP step, under ``one``), they stay there. They run the backward of accelerator tensors,
+    which a rank thread runs on itself (dstest turns autograd's multithreading off on rank threads)."""
     python = {t.native_id for t in threading.enumerate()}
     held = []
     for name in os.listdir("/proc/self/task"):
         tid = int(name)
         try:
-            if tid not in python and os.sched_getaffinity(tid) == {cpu}:
-                held.append(tid)
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+            if tid not in python and not comm.startswith("pt_autograd_") and cpus._real_affinity(tid) == {cpu}:
+                held.append(f"{tid} {comm}")
         except OSError:  # ended meanwhile
             pass
     return held
 
 
-def _parallel_work(ctx: Any) -> tuple[int, list[int], float]:
+def _parallel_work(ctx: Any) -> tuple[int, list[str], float]:
     """A rank's large elementwise operation (split over torch's intra-op threads), then where those threads run."""
     t = torch.full((1 << 20,), float(ctx.rank + 1)).mul_(3.0).div_(3.0)  # exact: small integers
     total = t.sum().reshape(1)
