@@ -75,10 +75,10 @@ def restore_process_state(
         found.extend(_restore_cwd(saved.cwd))
     if saved.signals is not None:
         _restore_signals(saved.signals, found, unusable)
+    if saved.affinity is not None:  # before torch's settings: torch 2.15 reads a default from the CPUs it may use
+        found.extend(_restore_affinity(saved.affinity))
     if saved.torch is not None:
         _restore_torch(saved.torch, found, unusable)
-    if saved.affinity is not None:
-        found.extend(_restore_affinity(saved.affinity))
     return found, "; ".join(unusable) or None
 
 
