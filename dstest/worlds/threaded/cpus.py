@@ -9,7 +9,7 @@ DTensor redistributions of small models ran 2.2-3x faster here. What runs outsid
 tensor operations of several ranks at once) then shares that one CPU, except what torch splits over its
 intra-op threads, which each rank starts before it is pinned (:func:`start_intra_op_threads`): a body of
 large matmuls on four ranks ran 2x slower without that, 0.92-1.0x with it; bodies of mid-sized elementwise
-work, a small MLP's or a convolution's steps ran 1.1-2.1x faster. Where an idle CPU wakes quickly (bare
+work, a small MLP's or a convolution's steps ran 1.06-2.3x faster. Where an idle CPU wakes quickly (bare
 metal), the hand-offs cost little and the rank threads' own parallel work may count for more; that was not
 measured. So ``auto`` decides, once per process (:func:`auto_decision`): ``one`` on a virtual machine
 (:func:`on_a_virtual_machine`); elsewhere it times a GIL hand-off between two threads free to run on any CPU
