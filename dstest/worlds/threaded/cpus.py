@@ -287,8 +287,8 @@ def _affinity_as_a_process_sees_it(pid: int) -> set[int]:
     affinity in C (``os.process_cpu_count`` from Python 3.13, psutil) still sees the one CPU."""
     real = _real_affinity(pid)
     if pid == 0 or pid == threading.get_native_id() or pid == os.getpid():
-        view: set[int] | None = getattr(_for_children, "cpus", None)
-        if view is not None and real == {getattr(_for_children, "pinned", None)}:
+        view, pinned = hold_of_this_thread()
+        if view is not None and real == {pinned}:
             return set(view)
     return real
 
@@ -400,12 +400,12 @@ def held_on(cpu: int | None, then: set[int] | None = None) -> Iterator[None]:
             back_on(then)
         return
     after = _real_affinity(0) if then is None else then
-    outer, outer_pinned = getattr(_for_children, "cpus", None), getattr(_for_children, "pinned", None)
-    pin(cpu, children=outer if outer is not None else then)  # a new rank thread's: its caller's own CPUs
+    outer = hold_of_this_thread()
+    pin(cpu, children=outer[0] if outer[0] is not None else then)  # a new rank thread's: its caller's own CPUs
     try:
         yield
     finally:
-        _for_children.cpus, _for_children.pinned = outer, outer_pinned
+        _for_children.cpus, _for_children.pinned = outer
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, after)
 
