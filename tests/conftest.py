@@ -4,6 +4,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import _forked_children
 import pytest
 import torch  # noqa: F401
 from hypothesis import settings
@@ -34,6 +35,21 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "hypothesis_in_children: the pytest sessions the test starts load hypothesis' pytest plugin"
     )
+    config.addinivalue_line(
+        "markers",
+        "fresh_interpreter: the pytest sessions the test starts through pytester run in fresh interpreters, not "
+        "forked from the suite's warm one (tests/_forked_children.py)",
+    )
+    pytest.Pytester.popen = _forked_children.forking_popen(pytest.Pytester.popen)  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+def _child_sessions_forked(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The pytest sessions a test starts through pytester are forked from a warm interpreter (torch and pytest
+    imported once per test process), unless the test is marked ``fresh_interpreter``."""
+    _forked_children.allowed = request.node.get_closest_marker("fresh_interpreter") is None
+    yield
+    _forked_children.allowed = True
 
 
 @pytest.fixture(autouse=True)

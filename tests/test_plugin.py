@@ -265,6 +265,7 @@ def test_a_project_with_its_own_markers_keeps_their_descriptions(
     assert "Provided by dstest" not in result.stdout.str()
 
 
+@pytest.mark.fresh_interpreter  # which modules a session imports: not in a fork of an interpreter with torch
 def test_a_project_that_does_not_use_dstest_does_not_import_torch(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _warm import stop_servers, wait_for_server
+from _warm import settled, stop_servers, wait_for_server
 
 pytestmark = pytest.mark.cpu
 
@@ -69,6 +69,7 @@ def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path
     (pytester.path / "lib" / "mylib.py").write_text("VALUE = 1\n")
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_project=TESTS)
+    settled(pytester.path / "lib" / "mylib.py")  # the first server knows which version it imported
     yield pytester, warm_dir
     stop_servers()
 
@@ -115,6 +116,7 @@ def test_f3_a_changed_source_file_makes_the_run_cold_and_current(project) -> Non
     assert FORKED in _header(_run(pytester, "-k", "library"))
     lib = pytester.path / "lib" / "mylib.py"
     lib.write_text("VALUE = 22\n")
+    settled(lib)  # the cold run's new server then knows it imported this version
     changed = _run(pytester, "-k", "library")
     assert COLD in _header(changed) and "mylib.py changed after the warm server imported it" in _header(changed)
     changed.assert_outcomes(passed=2)
@@ -210,6 +212,7 @@ def test_f3_a_file_changed_while_the_server_imports_it_makes_the_next_run_cold(p
     lib.write_text(HELD_LIB.replace("VALUE = 1", "VALUE = 2"))  # the same size
     (hold / "go").touch()
     wait_for_server(warm_dir)
+    settled(lib)  # the cold run's new server then knows it imported this version
     after = _run(pytester, "-k", "library")
     assert COLD in _header(after), after.outlines[:12]
     assert "mylib.py" in _header(after), _header(after)
