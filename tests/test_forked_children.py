@@ -11,7 +11,10 @@ import sys
 import _forked_children
 import pytest
 
-pytestmark = pytest.mark.cpu
+pytestmark = [
+    pytest.mark.cpu,
+    pytest.mark.skipif(os.environ.get("DSTEST_SUITE_FORK") == "0", reason="DSTEST_SUITE_FORK=0: no child is forked"),
+]
 
 # What the child session saw, written by its conftest as one JSON line on stdout.
 SEEN = """
