@@ -100,8 +100,8 @@ def _serve(path: str) -> None:
                 pid = os.fork()
                 if pid == 0:
                     selector.close()
-                    for fd in (listener.fileno(), wake_r, wake_w, conn.fileno(), *children):
-                        _close(fd)
+                    for fd in (listener.fileno(), wake_r, wake_w, conn.fileno(), *children.values()):
+                        _close(fd)  # the server's descriptors, and its connections to the other children
                     _become_child(json.loads(message), fds, base_path)  # never returns
                 for fd in fds:
                     os.close(fd)
@@ -358,6 +358,7 @@ def forking_popen(original: Callable[..., Any]) -> Callable[..., Any]:
                 to_child.write(stdin)
         return session
 
+    popen.forks = True  # type: ignore[attr-defined]
     return popen
 
 

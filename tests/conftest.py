@@ -40,7 +40,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "fresh_interpreter: the pytest sessions the test starts through pytester run in fresh interpreters, not "
         "forked from the suite's warm one (tests/_forked_children.py)",
     )
-    pytest.Pytester.popen = _forked_children.forking_popen(pytest.Pytester.popen)  # type: ignore[method-assign]
+    if not getattr(pytest.Pytester.popen, "forks", False):  # once per process, however many sessions configure
+        pytest.Pytester.popen = _forked_children.forking_popen(pytest.Pytester.popen)  # type: ignore[method-assign]
 
 
 @pytest.fixture(autouse=True)
