@@ -260,7 +260,7 @@ class ForkedSession:
         self._conn.settimeout(timeout)
         try:
             message = self._conn.recv(4096)
-        except TimeoutError:
+        except (TimeoutError, BlockingIOError):  # a timeout of 0 (poll) makes the socket non-blocking
             return None
         self._conn.close()
         # an empty message: the server is gone before it reaped the child (the test process's end)

@@ -106,6 +106,11 @@ def test_a_timeout_kills_a_forked_child(project: pytest.Pytester, monkeypatch: p
     monkeypatch.setenv("FORKED_CHILDREN_SLEEP", "120")
     with pytest.raises(project.TimeoutExpired):
         project.runpytest_subprocess("-s", "-p", "no:cacheprovider", timeout=3)
+    with open(project.path / "out", "w") as out:
+        child = project.popen([sys.executable, "-mpytest", "-s", "-p", "no:cacheprovider"], stdout=out, stderr=out)
+        assert child.poll() is None and child.pid != os.getpid()  # running, and no wait
+        child.kill()
+        assert child.wait(60) == -9 and child.poll() == -9
 
 
 def test_a_variable_read_at_import_that_differs_runs_fresh(
