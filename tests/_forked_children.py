@@ -219,8 +219,9 @@ class _Server:
             raise RuntimeError(f"the forked-children server did not start (it wrote {line!r})")
 
     def stop(self) -> None:
-        assert self.proc.stdin is not None
+        assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.close()  # the server's EOF
+        self.proc.stdout.close()
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:

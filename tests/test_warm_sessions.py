@@ -171,6 +171,7 @@ def test_f3_a_package_pytest_rewrites_imported_by_the_preload_gives_no_new_warni
     rewriting first, so that a forked session finds it rewritten and warns of nothing the cold run did not."""
     pytester, warm_dir = project
     (pytester.path / "lib" / "mylib.py").write_text("import hypothesis  # rewritten by pytest\nVALUE = 1\n")
+    settled(pytester.path / "lib" / "mylib.py")  # the cold run's server then knows it imported this version
     cold = _run(pytester, "-k", "library")
     cold.assert_outcomes(passed=2)
     assert "PytestAssertRewriteWarning" not in cold.stdout.str()
@@ -293,6 +294,7 @@ def test_f3_an_idle_server_stops_once_its_sources_change_or_its_socket_goes(
     assert not list(warm_dir.glob("*.sock"))
     for log in warm_dir.glob("*.log"):
         log.unlink()
+    settled(pytester.path / "lib" / "mylib.py")  # else the next server may stop for a change it cannot date
     _run(pytester, "-k", "library").assert_outcomes(passed=2)  # cold: starts a server with the new code
     wait_for_server(warm_dir)
     pid = _server_pid(warm_dir)
