@@ -11,8 +11,8 @@ What a fork cannot give as a fresh interpreter does is what was read from the en
 and pytest were imported. A child whose environment differs from the server's in such a variable
 (:data:`READ_AT_IMPORT`) runs fresh, as does every child of a test marked ``fresh_interpreter`` (one about a
 cold start, about which modules a session imports, about its process tree or about what an interpreter's
-teardown does) and every child when
-``DSTEST_SUITE_FORK=0``. The server imports neither dstest nor any other pytest plugin: pytest rewrites the
+teardown does) and every child when ``DSTEST_SUITE_FORK=0``; ``DSTEST_SUITE_FORK_LOG=PATH`` appends, per child,
+whether it was forked. The server imports neither dstest nor any other pytest plugin: pytest rewrites the
 asserts of its plugins' modules, and warns about one imported before the session began.
 """
 
@@ -277,14 +277,18 @@ class ForkedSession:
             raise subprocess.TimeoutExpired(self.args, timeout or 0)
         return code
 
-    def kill(self) -> None:
+    def send_signal(self, signum: int) -> None:
         if self.returncode is None:
             try:
-                os.kill(self.pid, 9)
+                os.kill(self.pid, signum)
             except ProcessLookupError:
                 pass
 
-    terminate = kill
+    def kill(self) -> None:
+        self.send_signal(9)
+
+    def terminate(self) -> None:
+        self.send_signal(15)
 
     def __enter__(self) -> ForkedSession:
         return self
