@@ -31,6 +31,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 #: Variables read while the server imports torch, numpy and pytest (or by the interpreter at its start): a
 #: child whose value of one differs from the server's runs in a fresh interpreter (but see READ_AT_USE).
 READ_AT_IMPORT = (
@@ -62,7 +64,6 @@ def _serve(path: str) -> None:
     import signal
 
     import numpy  # noqa: F401
-    import pytest  # noqa: F401
     import torch
     import torch.distributed  # noqa: F401
     from _pytest.config import default_plugins
@@ -310,6 +311,8 @@ def start(args: list[str], cwd: str, env: dict[str, str], stdin: int, stdout: in
 
 #: Whether the running test lets its child sessions be forked (tests/conftest.py sets it per test).
 allowed = True
+#: ``Pytester.popen``'s default standard input: a pipe closed at once.
+CLOSE_STDIN = pytest.Pytester.CLOSE_STDIN
 
 
 def forking_popen(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -320,34 +323,35 @@ def forking_popen(original: Callable[..., Any]) -> Callable[..., Any]:
         cmdargs: Any,
         stdout: Any = subprocess.PIPE,
         stderr: Any = subprocess.PIPE,
-        stdin: Any = None,
+        stdin: Any = CLOSE_STDIN,
         **kw: Any,
     ) -> Any:
-        close_stdin = stdin is None or stdin is type(self).CLOSE_STDIN
+        def fresh() -> Any:
+            return original(self, cmdargs, stdout=stdout, stderr=stderr, stdin=stdin, **kw)
+
         args = [os.fspath(a) for a in cmdargs]
         env = os.environ.copy()
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH", "")]))
+        differs = differs_at_import(env, _SNAPSHOT)
         eligible = (
             _ENABLED
             and allowed
             and not kw
             and args[:2] == [sys.executable, "-mpytest"]
-            and (close_stdin or isinstance(stdin, bytes))
+            and (stdin is CLOSE_STDIN or isinstance(stdin, bytes))
             and hasattr(stdout, "fileno")
             and hasattr(stderr, "fileno")
             and hasattr(socket, "send_fds")
             and sys.platform == "linux"
-            and not differs_at_import(env, _SNAPSHOT)
+            and not differs
         )
         log = os.environ.get("DSTEST_SUITE_FORK_LOG")
         if log:  # for measuring: which child sessions were forked, which ran fresh and why
-            why = "forked" if eligible else f"fresh {differs_at_import(env, _SNAPSHOT) or ''} {args[:2]} {sorted(kw)}"
+            why = "forked" if eligible else f"fresh {differs or ''} {args[:2]} {sorted(kw)}"
             with open(log, "a") as f:
                 f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\t{why}\n")
         if not eligible:
-            return original(
-                self, cmdargs, stdout=stdout, stderr=stderr, **({} if stdin is None else {"stdin": stdin}), **kw
-            )
+            return fresh()
         stdout.flush()
         stderr.flush()
         read_end, write_end = os.pipe()
@@ -355,7 +359,7 @@ def forking_popen(original: Callable[..., Any]) -> Callable[..., Any]:
             session = start(args[2:], os.getcwd(), env, read_end, stdout.fileno(), stderr.fileno())
         except (OSError, RuntimeError):  # no server (tests/test_forked_children.py fails then): a fresh child
             os.close(write_end)
-            return original(self, cmdargs, stdout=stdout, stderr=stderr, **({} if stdin is None else {"stdin": stdin}))
+            return fresh()
         finally:
             os.close(read_end)
         with os.fdopen(write_end, "wb") as to_child:
